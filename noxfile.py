@@ -1,8 +1,9 @@
-"""nox sessions: tests, lint, conformance (cpu / cuda / auto), docs, bench.
+"""nox sessions: tests, lint, conformance (cpu / cuda / auto).
 
 CPU sessions run in fresh virtualenvs with torch==2.13.0 pinned (a bare torch
 requirement would pull a multi-GB CUDA build); GPU sessions run in the
-caller's CUDA environment (``venv_backend="none"``).
+caller's CUDA environment (``venv_backend="none"``) and install this repo
+editable without dependencies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
 TORCH_CPU = "torch==2.13.0"
+EXAMPLE_PLUGIN = "./tests/plugins/example_plugin"
 
 
 def _install_cpu(session: nox.Session, extras: str = "test") -> None:
@@ -21,10 +23,19 @@ def _install_cpu(session: nox.Session, extras: str = "test") -> None:
     session.install("-e", f".[{extras}]")
 
 
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite on the CPU (CUDA tests are skipped without a GPU)."""
     _install_cpu(session)
+    session.install("--no-deps", EXAMPLE_PLUGIN)
     session.run("pytest", *(session.posargs or ["-q"]))
 
 
@@ -33,3 +44,28 @@ def lint(session: nox.Session) -> None:
     """ruff check over the whole tree."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session(name="conformance-cpu")
+def conformance_cpu(session: nox.Session) -> None:
+    """Every available backend against the spec on the CPU; reports under reports/."""
+    _install_cpu(session, extras="test")
+    session.run("normspec", "list")
+    session.run("normspec", "conformance", "--device", "cpu", *session.posargs)
+
+
+@nox.session(name="conformance-cuda", venv_backend="none")
+def conformance_cuda(session: nox.Session) -> None:
+    """Every available backend against the spec on CUDA, in the caller's environment."""
+    session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                "-e", ".")
+    session.run("normspec", "list")
+    session.run("normspec", "conformance", "--device", "cuda", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def conformance(session: nox.Session) -> None:
+    """The main job: conformance-cuda when torch sees a GPU here, else conformance-cpu."""
+    target = "conformance-cuda" if _cuda_visible() else "conformance-cpu"
+    session.log(f"running {target}")
+    session.notify(target, posargs=session.posargs)

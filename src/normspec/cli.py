@@ -1,0 +1,133 @@
+"""The ``normspec`` command line: ``list``, ``check``, ``conformance``, ``build``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import harness, registry
+from .conformance import default_device, run_conformance, summary_table
+from .ops import OPS
+from .profiles import PROFILES, get_profile
+from .report import build_report
+
+__all__ = ["main"]
+
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    table = Table(title="normspec backends")
+    for col in ("backend", "status", "source", "ops (backward)"):
+        table.add_column(col)
+    for entry, backend in registry.iter_backends():
+        status = entry.status()
+        ops = ", ".join(f"{k} ({v.backward})" for k, v in backend.ops.items()) if backend \
+            else ""
+        table.add_row(entry.name, "[green]available[/]" if status is None else
+                      f"[yellow]{status}[/]", backend.source if backend else entry.origin, ops)
+    console.print(table)
+    return 0
+
+
+def _failed_lines(result: dict) -> list[str]:
+    gates = result.get("contract_gates", {})
+    return [line for g in gates.values() for line in g.get("failed_lines", [])]
+
+
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    backend = registry.get_backend(args.backend)
+    profile = get_profile(args.profile)
+    reason = backend.available()
+    if reason:
+        console.print(f"[yellow]{args.backend} is unavailable: {reason}[/]")
+        return 2
+    result = harness.check(backend, args.op, profile, quick=args.quick, seeds=args.seeds)
+    report = build_report(args.op, profile, {backend.name: result}, quick=args.quick,
+                          seeds=args.seeds, command=_command(),
+                          library_versions={backend.name: backend.library_version()})
+    level = result["level"]
+    console.print(f"{backend.name} {args.op} {profile.name}: forward={level['forward']} "
+                  f"gradient={level['gradient']}")
+    for line in _failed_lines(result):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if "fails" in level.values() else 0
+
+
+def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
+    device = args.device or default_device()
+    reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
+                              ops=args.op, seeds=args.seeds, out_dir=Path(args.out),
+                              command=_command(), console=console)
+    console.print(summary_table(reports))
+    console.print(f"reports written under {args.out}/")
+    for r in reports:
+        for name, res in r["results"].items():
+            for line in _failed_lines(res)[:5]:
+                console.print(f"{r['profile']} {name}: {line}", markup=False, highlight=False,
+                              soft_wrap=True)
+    return 0
+
+
+def _cmd_build(args: argparse.Namespace, console: Console) -> int:
+    built = False
+    for entry, backend in registry.iter_backends():
+        build = getattr(backend, "build", None)
+        if backend is not None and callable(build):
+            console.print(f"building {entry.name} ...")
+            build(verbose=True)
+            built = True
+    if not built:
+        console.print("no installed backend needs a build")
+    return 0
+
+
+def _command() -> str:
+    return "normspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="normspec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="backends, availability with reason, ops, backward support")
+    c = sub.add_parser("check", help="check one backend's op on one profile")
+    c.add_argument("--backend", required=True)
+    c.add_argument("--op", required=True, choices=sorted(OPS))
+    c.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    c.add_argument("--quick", action="store_true", help="fewer shapes and one seed")
+    c.add_argument("--json", help="write the report here")
+    k = sub.add_parser("conformance", help="every available backend × op × profile")
+    k.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when torch sees a GPU, else cpu")
+    k.add_argument("--quick", action="store_true")
+    k.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
+    k.add_argument("--op", action="append", choices=sorted(OPS), help="restrict to these ops")
+    k.add_argument("--seeds", type=int, default=None)
+    k.add_argument("--out", default="reports", help="report directory (default: reports)")
+    sub.add_parser("build", help="build the backends that compile code (torch extension)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``normspec`` command."""
+    args = _parser().parse_args(argv)
+    console = Console()
+    handlers = {"list": _cmd_list, "check": _cmd_check, "conformance": _cmd_conformance,
+                "build": _cmd_build}
+    try:
+        return handlers[args.command](args, console)
+    except (registry.UnknownBackendError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Run every available backend × op × profile and summarise the levels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import harness, registry
+from .ops import OPS
+from .profiles import PROFILES, Profile
+from .report import build_report, write_report
+
+__all__ = ["default_device", "profiles_for", "run_conformance", "summary_table"]
+
+LEVEL_STYLE = {"exact": "bold green", "invariant": "green", "accurate": "yellow",
+               "fails": "bold red", "unavailable": "dim", "none": "dim"}
+
+
+def default_device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def profiles_for(device: str) -> list[Profile]:
+    """The profiles of one device type."""
+    found = [p for p in PROFILES.values() if p.device == device]
+    if not found:
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    return found
+
+
+def run_conformance(
+    *,
+    device: str,
+    quick: bool = False,
+    backends: Sequence[str] | None = None,
+    ops: Sequence[str] | None = None,
+    profiles: Sequence[str] | None = None,
+    seeds: int | None = None,
+    out_dir: Path | None = Path("reports"),
+    command: str = "normspec conformance",
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Check every selected backend on every selected op and profile.
+
+    Returns the reports (one per op × profile); writes them under ``out_dir``
+    unless it is ``None``.
+    """
+    console = console or Console(stderr=True)
+    chosen_profiles = ([PROFILES[p] for p in profiles] if profiles else profiles_for(device))
+    chosen_ops = list(ops or OPS)
+    entries = registry.entries()
+    names = list(backends) if backends else sorted(entries)
+    for name in names:
+        if name not in entries:
+            registry.get_backend(name)  # raises with the installed names
+    loaded = {n: entries[n].load() for n in names}
+    status = {n: entries[n].status() for n in names}
+    versions = {n: (b.library_version() if b else None) for n, b in loaded.items()}
+
+    total = 0
+    for prof in chosen_profiles:
+        for op_name in chosen_ops:
+            n_cases = sum(1 for _ in harness.iter_cases(OPS[op_name], prof, quick=quick,
+                                                        seeds=seeds))
+            total += n_cases * sum(1 for n in names if status[n] is None)
+    reports = []
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=False) as progress:
+        task = progress.add_task("conformance", total=total)
+        for prof in chosen_profiles:
+            for op_name in chosen_ops:
+                results: dict[str, Any] = {}
+                for name in names:
+                    backend = loaded[name]
+                    if status[name] is not None or backend is None:
+                        results[name] = {
+                            "source": backend.source if backend else entries[name].origin,
+                            "backward": "none",
+                            "level": {"forward": "unavailable", "gradient": "unavailable"},
+                            "unavailable": status[name],
+                        }
+                        continue
+                    progress.update(task, description=f"{prof.name} {op_name} {name}")
+                    results[name] = harness.check(
+                        backend, op_name, prof, quick=quick, seeds=seeds,
+                        on_case=lambda _c: progress.advance(task),
+                    )
+                report = build_report(op_name, prof, results, quick=quick, seeds=seeds,
+                                      command=command, library_versions=versions)
+                if out_dir is not None:
+                    write_report(report, out_dir)
+                reports.append(report)
+    return reports
+
+
+def summary_table(reports: list[dict[str, Any]]) -> Table:
+    """Backend × (profile, op) table of forward / gradient levels."""
+    table = Table(title="normspec conformance (forward / gradient)")
+    table.add_column("backend", style="bold")
+    columns = [(r["profile"], r["op"]) for r in reports]
+    for prof, op in columns:
+        table.add_column(f"{prof}\n{op}")
+    backends = sorted({b for r in reports for b in r["results"]})
+    for b in backends:
+        cells = []
+        for r in reports:
+            res = r["results"].get(b)
+            if res is None:
+                cells.append("")
+                continue
+            f, g = res["level"]["forward"], res["level"]["gradient"]
+            if f == "unavailable":
+                cells.append("[dim]unavailable[/dim]")
+            else:
+                cells.append(f"[{LEVEL_STYLE[f]}]{f}[/] / [{LEVEL_STYLE.get(g, '')}]{g}[/]")
+        table.add_row(b, *cells)
+    return table

@@ -1,0 +1,109 @@
+"""Gates: comparisons of a backend's tensors with the spec and with itself.
+
+Tolerances are data ([`TOLERANCES`][normspec.gates.TOLERANCES]), not
+assertions in test bodies. Every failing comparison yields one readable line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from normspec.spec.arithmetic import ulp_distance
+
+__all__ = ["LEVELS", "TOLERANCES", "Comparison", "Tolerance", "compare", "level_of"]
+
+#: Conformance levels, best first.
+LEVELS = ("exact", "invariant", "accurate", "fails")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Contract tolerance: ``|got − ref| <= atol_rms · scale + rtol · |ref|``.
+
+    ``scale`` is the reference tensor's root mean square (for gradients at
+    least the incoming gradient's), so that gradients, whose size depends on
+    the inputs, are judged fairly.
+    """
+
+    rtol: float
+    atol_rms: float
+
+
+#: The contract tolerance per (kind, dtype): kind is ``forward`` or ``gradient``.
+TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
+    ("forward", torch.float32): Tolerance(rtol=1e-5, atol_rms=1e-6),
+    ("forward", torch.bfloat16): Tolerance(rtol=1.6e-2, atol_rms=1e-3),
+    ("forward", torch.float16): Tolerance(rtol=2e-3, atol_rms=1e-4),
+    ("gradient", torch.float32): Tolerance(rtol=1e-4, atol_rms=1e-4),
+    ("gradient", torch.bfloat16): Tolerance(rtol=3.2e-2, atol_rms=2e-2),
+    ("gradient", torch.float16): Tolerance(rtol=4e-3, atol_rms=4e-3),
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Statistics of one tensor against its reference."""
+
+    tensor: str
+    bitwise: bool
+    within_tolerance: bool
+    equal_fraction: float
+    max_ulp: int
+    max_abs: float
+    max_rel: float
+    numel: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(
+    name: str, got: torch.Tensor, ref: torch.Tensor, kind: str, *, scale_floor: float = 0.0
+) -> Comparison:
+    """Compare ``got`` with ``ref`` (same dtype and shape expected).
+
+    ``scale_floor`` is a lower bound for the scale that ``atol_rms`` multiplies:
+    the harness passes the RMS of the incoming gradient for gradient
+    comparisons, since a gradient that cancels to nearly zero (``dx`` for
+    ``H = 1``) has no meaningful scale of its own.
+    """
+    got, ref = got.detach(), ref.detach()
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return Comparison(name, False, False, 0.0, -1, float("inf"), float("inf"), ref.numel())
+    if ref.numel() == 0:
+        return Comparison(name, True, True, 1.0, 0, 0.0, 0.0, 0)
+    d = ulp_distance(got, ref)
+    equal = d == 0
+    g64, r64 = got.double(), ref.double()
+    both_nan = torch.isnan(g64) & torch.isnan(r64)
+    same_inf = torch.isinf(r64) & (g64 == r64)
+    diff = torch.where(both_nan | same_inf, torch.zeros_like(g64), (g64 - r64).abs())
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    finite = torch.isfinite(r64)
+    rms = r64[finite].square().mean().sqrt().item() if finite.any() else 0.0
+    rms = max(rms, scale_floor)
+    tol = TOLERANCES[(kind, ref.dtype)]
+    bound = tol.atol_rms * rms + tol.rtol * torch.nan_to_num(r64.abs(), posinf=0.0)
+    within = bool(torch.all(diff <= bound)) or bool(equal.all())
+    rel = diff / torch.where(r64.abs() > 0, r64.abs(), torch.ones_like(r64))
+    return Comparison(
+        tensor=name,
+        bitwise=bool(equal.all()),
+        within_tolerance=within,
+        equal_fraction=equal.double().mean().item(),
+        max_ulp=int(d.max().item()),
+        max_abs=float(diff.max().item()),
+        max_rel=float(torch.nan_to_num(rel, nan=float("inf")).max().item()),
+        numel=ref.numel(),
+    )
+
+
+def level_of(*, crashed: bool, within: bool, bitwise: bool, invariant: bool) -> str:
+    """The conformance level from the gate outcomes."""
+    if crashed or not within:
+        return "fails"
+    if bitwise and invariant:
+        return "exact"
+    return "invariant" if invariant else "accurate"

@@ -1,0 +1,249 @@
+"""Backend registry: discovery through the ``normspec.backends`` entry-point group.
+
+A backend is an object (usually a [`Backend`][normspec.registry.Backend]
+subclass instance) exposed by an entry point::
+
+    [project.entry-points."normspec.backends"]
+    mylib = "mylib_normspec:backend"
+
+Built-in backends register through the same group in normspec's own
+``pyproject.toml``, exactly as a third party would.
+
+Discovery is lazy: entry points are listed by name without importing them,
+and a backend's module is imported on first use. A plugin that fails to
+import is reported as *broken* with its error and never breaks discovery or
+other backends. Two entry points with the same name produce a warning that
+says which one won. An unknown name raises an error listing the installed
+ones.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .ops import Params
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendEntry",
+    "OpSupport",
+    "UnknownBackendError",
+    "entries",
+    "get_backend",
+    "iter_backends",
+    "register",
+    "unregister",
+]
+
+ENTRY_POINT_GROUP = "normspec.backends"
+BackwardSupport = Literal["full", "x-only", "none"]
+
+
+class UnknownBackendError(KeyError):
+    """No backend of that name is installed."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class OpSupport:
+    """What a backend implements of one operator.
+
+    Attributes:
+        backward: ``"full"`` (every input gradient and ``dweight``),
+            ``"x-only"`` (row gradients, no ``dweight``) or ``"none"``.
+        params: for each variant parameter, the values supported
+            (a parameter that is absent is supported for every value).
+        devices: device types the op runs on (``"cpu"``, ``"cuda"``).
+        weight_dtypes: ``"fp32"`` and/or ``"same"`` (the input dtype).
+    """
+
+    backward: BackwardSupport = "full"
+    params: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    weight_dtypes: tuple[str, ...] = ("fp32", "same")
+
+    def unsupported(self, params: Params, device: str) -> str | None:
+        """Why ``params`` on ``device`` are not supported, or ``None`` when they are."""
+        if device not in self.devices:
+            return f"device {device!r} not supported (supports {', '.join(self.devices)})"
+        for key, allowed in self.params.items():
+            if key in params and params[key] not in allowed:
+                return f"{key}={params[key]!r} not supported (supports {list(allowed)})"
+        return None
+
+
+class Backend:
+    """Base class for backends.
+
+    Subclasses set ``name``, ``source`` and ``ops`` and implement
+    [`forward`][normspec.registry.Backend.forward]. When an op's backward is
+    not ``"none"``, ``forward`` must be differentiable through torch
+    autograd with respect to the row inputs (and the weight for ``"full"``):
+    the harness takes gradients with ``torch.autograd.grad``.
+    """
+
+    #: Registry name (``normspec check --backend NAME``).
+    name: str = ""
+    #: Human description of what is wrapped, with the upstream library and
+    #: version, e.g. ``"transformers 5.24.0 Qwen3NextRMSNorm"``.
+    source: str = ""
+    #: Operator name -> what is supported.
+    ops: Mapping[str, OpSupport] = {}
+
+    def available(self) -> str | None:
+        """``None`` when the backend can run here, else the reason it cannot."""
+        return None
+
+    def library_version(self) -> str | None:
+        """Version of the wrapped library, recorded in reports."""
+        return None
+
+    def forward(
+        self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
+        eps: float, **params: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run ``op`` on the row inputs (named as in the op's ``row_inputs``)."""
+        raise NotImplementedError
+
+    def supports(self, op: str, params: Params, device: str) -> str | None:
+        """Why this backend cannot run ``op`` with ``params`` on ``device``, or ``None``."""
+        if op not in self.ops:
+            return f"op {op!r} not implemented"
+        return self.ops[op].unsupported(params, device)
+
+
+@dataclass
+class BackendEntry:
+    """A registry entry: a name and where it comes from, loaded on demand."""
+
+    name: str
+    origin: str
+    _entry_point: importlib.metadata.EntryPoint | None = None
+    _backend: Backend | None = None
+    _error: str | None = None
+
+    def load(self) -> Backend | None:
+        """Import the backend; on failure remember the error and return ``None``."""
+        if self._backend is None and self._error is None and self._entry_point is not None:
+            try:
+                obj = self._entry_point.load()
+                backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
+                if not isinstance(backend, Backend):
+                    raise TypeError(
+                        f"entry point {self._entry_point.value!r} gave "
+                        f"{type(backend).__name__}, expected a normspec.registry.Backend"
+                    )
+                backend.name = backend.name or self.name
+                self._backend = backend
+            except Exception as exc:  # a broken plugin must never break discovery
+                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                self._error = f"failed to load {self._entry_point.value!r}: {last}"
+        return self._backend
+
+    @property
+    def broken(self) -> str | None:
+        """The load error of a broken plugin, else ``None`` (loads on first call)."""
+        self.load()
+        return self._error
+
+    def status(self) -> str | None:
+        """``None`` when usable here, else why not (broken or unavailable)."""
+        backend = self.load()
+        if backend is None:
+            return f"broken: {self._error}"
+        try:
+            reason = backend.available()
+        except Exception as exc:
+            return f"available() raised {type(exc).__name__}: {exc}"
+        return f"unavailable: {reason}" if reason else None
+
+
+_ENTRIES: dict[str, BackendEntry] | None = None
+_EXTRA: dict[str, BackendEntry] = {}
+
+
+def _discover() -> dict[str, BackendEntry]:
+    found: dict[str, BackendEntry] = {}
+    eps = sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+        key=lambda ep: (ep.dist.name if ep.dist else "", ep.name),
+    )
+    # normspec's own backends win a name clash, then distributions in name order
+    eps.sort(key=lambda ep: (ep.dist is None or ep.dist.name != "normspec"))
+    for ep in eps:
+        dist = ep.dist.name if ep.dist else "?"
+        origin = f"{dist} ({ep.value})"
+        if ep.name in found:
+            warnings.warn(
+                f"normspec: duplicate backend name {ep.name!r}: {origin} is ignored, "
+                f"{found[ep.name].origin} wins",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        found[ep.name] = BackendEntry(ep.name, origin, _entry_point=ep)
+    return found
+
+
+def entries(refresh: bool = False) -> dict[str, BackendEntry]:
+    """Every known backend entry by name (entry points, then in-process registrations)."""
+    global _ENTRIES
+    if _ENTRIES is None or refresh:
+        _ENTRIES = _discover()
+    return {**_ENTRIES, **_EXTRA}
+
+
+def register(backend: Backend, *, origin: str = "in-process") -> None:
+    """Register a backend object in this process (tests, notebooks).
+
+    It shadows an entry point of the same name, with a warning.
+    """
+    if backend.name in entries():
+        warnings.warn(
+            f"normspec: duplicate backend name {backend.name!r}: {origin} wins over "
+            f"{entries()[backend.name].origin}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _EXTRA[backend.name] = BackendEntry(backend.name, origin, _backend=backend)
+
+
+def unregister(name: str) -> None:
+    """Remove an in-process registration."""
+    _EXTRA.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``, loaded.
+
+    Raises:
+        UnknownBackendError: no such name; the message lists the installed ones.
+        RuntimeError: the plugin is broken (its import error is in the message).
+    """
+    known = entries()
+    if name not in known:
+        raise UnknownBackendError(
+            f"backend: unknown backend {name!r}; installed: {', '.join(sorted(known)) or 'none'}"
+        )
+    backend = known[name].load()
+    if backend is None:
+        raise RuntimeError(f"backend {name!r} is broken: {known[name].broken}")
+    return backend
+
+
+def iter_backends() -> Iterator[tuple[BackendEntry, Backend | None]]:
+    """Every entry with its loaded backend (``None`` for broken ones), sorted by name."""
+    for name in sorted(entries()):
+        entry = entries()[name]
+        yield entry, entry.load()
+

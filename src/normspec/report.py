@@ -1,0 +1,120 @@
+"""Conformance reports (JSON).
+
+One report per (op, profile), written to ``reports/<profile>/<op>.json``::
+
+    {
+      "kind": "normspec.conformance",
+      "schema_version": 1,
+      "op": "rms_norm",
+      "profile": "cuda_bf16",
+      "quick": false,
+      "command": "normspec conformance --device cuda",
+      "environment": {...},         # device, capability, torch, CUDA, git commit/dirty, backends
+      "checks": {...},              # what was run: variants, shapes, seeds, transforms
+      "results": {
+        "<backend>": {
+          "source": "...", "backward": "full",
+          "level": {"forward": "exact", "gradient": "exact"},
+          "contract_gates": {
+            "forward":  {"passed": true, "failed_lines": [], "level": "exact", "statistics": {...}},
+            "gradient": {...}
+          }
+        }
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .ops import get_op, variant_name
+from .profiles import Profile
+from .transforms import TRANSFORMS
+
+__all__ = ["build_report", "environment", "git_state", "write_report"]
+
+KIND = "normspec.conformance"
+SCHEMA_VERSION = 1
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout normspec runs from (``None`` outside git)."""
+    root = root or Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=root, capture_output=True, text=True, check=True,
+                                    timeout=10).stdout.strip())
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def environment(device: str, backends: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """The environment a report was produced in."""
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "normspec": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": device,
+        "git": git_state(),
+        "backends": backends or {},
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["device_name"] = props.name
+        env["capability"] = f"{props.major}.{props.minor}"
+        env["driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") \
+            else None
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+        env["capability"] = None
+    return env
+
+
+def build_report(
+    op_name: str, profile: Profile, results: dict[str, Any], *, quick: bool,
+    seeds: int | None, command: str, library_versions: dict[str, str | None],
+) -> dict[str, Any]:
+    """Assemble a report dictionary."""
+    op = get_op(op_name)
+    return {
+        "kind": KIND,
+        "schema_version": SCHEMA_VERSION,
+        "op": op_name,
+        "profile": profile.name,
+        "quick": quick,
+        "command": command,
+        "environment": environment(profile.device, library_versions),
+        "checks": {
+            "variants": [variant_name(v) for v in op.variants],
+            "shapes": [list(s) for s in profile.shapes(op_name, quick)],
+            "dtype": profile.dtype_name,
+            "weight_dtypes": list(profile.weight_dtypes()),
+            "seeds": list(profile.seeds(quick, seeds)),
+            "transforms": [t.name for t in TRANSFORMS] + ["singleton_aggregation"],
+        },
+        "results": results,
+    }
+
+
+def write_report(report: dict[str, Any], directory: Path) -> Path:
+    """Write ``report`` to ``directory/<profile>/<op>.json`` and return the path."""
+    path = Path(directory) / report["profile"] / f"{report['op']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
+    return path

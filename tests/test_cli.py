@@ -1,0 +1,59 @@
+"""The normspec command line and the report's JSON shape."""
+
+from __future__ import annotations
+
+import json
+
+from normspec.cli import main
+
+
+def test_list_shows_backends_with_availability(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "reference" in out and "transformers" in out and "available" in out
+
+
+def test_check_writes_a_report(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    rc = main(["check", "--backend", "reference", "--op", "rms_norm_gated", "--profile",
+               "cpu_bf16", "--quick", "--json", str(path)])
+    assert rc == 0
+    assert "forward=exact gradient=exact" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["kind"] == "normspec.conformance" and report["op"] == "rms_norm_gated"
+    env = report["environment"]
+    for key in ("device_name", "torch", "cuda", "git", "backends", "date"):
+        assert key in env
+    assert set(env["git"]) == {"commit", "dirty"}
+    res = report["results"]["reference"]
+    assert res["backward"] == "full" and res["source"].startswith("normspec")
+    gates = res["contract_gates"]
+    assert gates["forward"]["passed"] and gates["forward"]["failed_lines"] == []
+    assert gates["gradient"]["level"] == "exact"
+    assert "singleton_aggregation" in report["checks"]["transforms"]
+
+
+def test_check_prints_failing_lines_and_fails(capsys):
+    rc = main(["check", "--backend", "transformers", "--op", "rms_norm", "--profile",
+               "cpu_fp32", "--quick"])
+    out = capsys.readouterr().out
+    assert "forward=accurate" in out
+    assert rc == 0  # accurate is not a failure of the contract
+
+
+def test_unknown_backend_lists_the_installed_ones(capsys):
+    assert main(["check", "--backend", "nope", "--op", "rms_norm", "--profile",
+                 "cpu_fp32"]) == 2
+    out = capsys.readouterr().out
+    assert "unknown backend 'nope'" in out and "reference" in out
+
+
+def test_conformance_quick_writes_reports_and_summary(tmp_path, capsys):
+    rc = main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
+               "--op", "rms_norm", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "normspec conformance" in out and "exact" in out
+    for profile in ("cpu_fp32", "cpu_bf16"):
+        report = json.loads((tmp_path / profile / "rms_norm.json").read_text())
+        assert report["results"]["reference"]["level"]["forward"] == "exact"

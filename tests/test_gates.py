@@ -1,0 +1,188 @@
+"""Each gate can fail: deliberately wrong backends, one per gate and per transform."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from normspec.harness import check
+from normspec.profiles import Profile
+from normspec.registry import Backend, OpSupport
+from normspec.transforms import TRANSFORMS
+
+N, H = 12, 64
+
+
+@dataclass(frozen=True)
+class TinyProfile(Profile):
+    """One small fp32 shape, one seed: fast and predictable for the wrong backends."""
+
+    def shapes(self, op, quick=False):
+        return ((N, H),)
+
+    def seeds(self, quick=False, count=None):
+        return (0,)
+
+
+PROFILE = TinyProfile("tiny_fp32", "cpu", torch.float32)
+
+
+class _Nudge(torch.autograd.Function):
+    """Move every element one ulp up (forward) and its gradient one ulp up (backward)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.nextafter(torch.full_like(t, float("inf")))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.nextafter(torch.full_like(g, float("inf")))
+
+
+class Wrong(Backend):
+    """The reference, made wrong in one declared way."""
+
+    ops = {"rms_norm": OpSupport(backward="full", devices=("cpu",))}
+
+    def __init__(self, name, when=None, scale=1.0, dweight=None, crash=False):
+        self.name, self.source = name, f"deliberately wrong: {name}"
+        self.when, self.scale, self.dweight_fn, self.crash = when, scale, dweight, crash
+        self.seen = set()
+
+    def forward(self, op, rows, weight, *, eps, **params):
+        from normspec.backends.reference import backend as ref
+
+        if self.crash:
+            raise RuntimeError("kernel launch failed")
+        x = rows["x"]
+        nudge = self.when is not None and self.when(x, self)
+        if nudge:
+            x = _Nudge.apply(x)
+        (y,) = ref.forward(op, {"x": x}, weight, eps=eps, **params)
+        if nudge:
+            y = _Nudge.apply(y)
+        return (y * self.scale,)
+
+
+WHEN = {
+    "batch": lambda x, b: x.shape[0] == 1,
+    "chunk": lambda x, b: x.shape[0] == 3,
+    "pad_rows": lambda x, b: x.shape[0] == N + 5,
+    "pad_sequence": lambda x, b: x.dim() == 3,
+    "permute": lambda x, b: x.shape[0] == N and bool(x[0, 0] != b.first),
+    "prefix_slice": lambda x, b: x.shape[0] == (N + 1) // 2,
+    "inner_slice": lambda x, b: x.storage_offset() >= H,
+    "misaligned": lambda x, b: x.data_ptr() % 8 != 0,
+    "strided": lambda x, b: x.stride(0) != x.shape[-1],
+    "column_major": lambda x, b: x.stride(-1) != 1,
+    "repeat": lambda x, b: _seen_before(x, b),
+}
+
+
+def _seen_before(x, backend):
+    """True from the second call on the very same tensor (a stateful, drifting kernel)."""
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), x.requires_grad)
+    seen = key in backend.seen
+    backend.seen.add(key)
+    return seen
+
+
+def test_every_transform_has_a_wrong_backend():
+    assert set(WHEN) == {t.name for t in TRANSFORMS}
+
+
+@pytest.mark.parametrize("transform", sorted(WHEN))
+def test_invariance_gate_fails_for_each_transform(transform):
+    backend = Wrong(f"wrong-{transform}", when=WHEN[transform])
+    backend.first = _first_value()
+    result = check(backend, "rms_norm", PROFILE)
+    fwd = result["contract_gates"]["forward"]
+    assert any(f"transform={transform} " in line for line in fwd["failed_lines"]), fwd
+    assert result["level"]["forward"] == "accurate"
+    grad = result["contract_gates"]["gradient"]
+    assert any(f"transform={transform} " in line and "tensor=dx" in line
+               for line in grad["failed_lines"])
+
+
+def _first_value():
+    from normspec.ops import OPS
+
+    s = OPS["rms_norm"].make_sample((N, H), torch.float32, params={"offset": 0.0}, seed=0)
+    return s.rows["x"][0, 0]
+
+
+def test_forward_tolerance_gate_fails():
+    result = check(Wrong("scaled", scale=1.01), "rms_norm", PROFILE)
+    assert result["level"]["forward"] == "fails"
+    assert any(line.startswith("forward case=") and "passed=False" in line
+               for line in result["contract_gates"]["forward"]["failed_lines"])
+
+
+def test_exactness_is_checked_bit_for_bit():
+    result = check(Wrong("one-ulp", when=lambda x, b: True), "rms_norm", PROFILE)
+    fwd = result["contract_gates"]["forward"]
+    assert result["level"]["forward"] == "invariant"   # within tolerance, invariant, not exact
+    assert fwd["mismatch_lines"] and not fwd["failed_lines"]
+
+
+def test_gradient_tolerance_gate_fails():
+    class BadGrad(Wrong):
+        def forward(self, op, rows, weight, *, eps, **params):
+            (y,) = super().forward(op, rows, weight, eps=eps, **params)
+            x = rows["x"]
+            return (y + 0.5 * (x - x.detach()),)   # same values, gradient off by 0.5·dy
+
+    result = check(BadGrad("bad-grad"), "rms_norm", PROFILE)
+    assert result["level"] == {"forward": "exact", "gradient": "fails"}
+    assert any("tensor=dx" in line for line in result["contract_gates"]["gradient"][
+        "failed_lines"])
+
+
+def test_dweight_singleton_aggregation_gate_fails():
+    class Seq(Wrong):
+        def forward(self, op, rows, weight, *, eps, **params):
+            from normspec import spec
+            from normspec.spec.rms_norm import normalize_rows
+
+            x = rows["x"]
+            w = weight.detach()
+            with torch.no_grad():
+                y = spec.rms_norm(x, w, eps=eps, **params)
+
+            class F(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x_, w_):
+                    return y.clone()
+
+                @staticmethod
+                def backward(ctx, dy):
+                    dx, _ = spec.rms_norm_backward(dy, x, w, eps=eps, **params)
+                    xhat, _ = normalize_rows(x.float(), eps)
+                    # a sequential sum over rows instead of the declared row tree
+                    dw = torch.zeros(x.shape[-1])
+                    for row in dy.float() * xhat:
+                        dw = dw + row
+                    return dx, dw.to(w.dtype)
+
+            return (F.apply(x, weight),)
+
+    result = check(Seq("sequential-dweight"), "rms_norm", PROFILE)
+    lines = result["contract_gates"]["gradient"]["failed_lines"]
+    assert any("transform=singleton_aggregation" in line for line in lines), lines
+
+
+def test_crash_is_reported_not_hidden():
+    result = check(Wrong("crashes", crash=True), "rms_norm", PROFILE)
+    assert result["level"]["forward"] == "fails"
+    assert any("crash" in line and "kernel launch failed" in line
+               for line in result["contract_gates"]["forward"]["failed_lines"])
+
+
+def test_reference_is_exact_on_the_tiny_profile():
+    from normspec.backends.reference import backend
+
+    for op in ("rms_norm", "fused_add_rms_norm", "rms_norm_gated"):
+        result = check(backend, op, PROFILE)
+        assert result["level"] == {"forward": "exact", "gradient": "exact"}, op
