@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", required=True)
     c.add_argument("--op", required=True, choices=sorted(OPS))
     c.add_argument("--profile", required=True, choices=sorted(PROFILES))
-    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
+    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default 2, quick 1)")
     c.add_argument("--quick", action="store_true", help="fewer shapes and one seed")
     c.add_argument("--json", help="write the report here")
     k = sub.add_parser("conformance", help="every available backend × op × profile")

@@ -93,6 +93,10 @@ def run_conformance(
                         backend, op_name, prof, quick=quick, seeds=seeds,
                         on_case=lambda _c: progress.advance(task),
                     )
+                    if not console.is_terminal:  # CI logs: one line per check
+                        lv = results[name]["level"]
+                        console.print(f"{prof.name} {op_name} {name}: forward={lv['forward']}"
+                                      f" gradient={lv['gradient']}", highlight=False)
                 report = build_report(op_name, prof, results, quick=quick, seeds=seeds,
                                       command=command, library_versions=versions)
                 if out_dir is not None:

@@ -13,10 +13,12 @@ import torch
 
 __all__ = ["PROFILES", "Profile", "get_profile"]
 
+# Row counts stay small: the "batch" transform calls the backend once per row,
+# and a 2-core CPU must finish the full CPU run in a few minutes.
 SHAPES_FULL = {
-    "rms_norm": ((48, 2048), (64, 256), (5, 1), (24, 1003), (6, 8192)),
-    "fused_add_rms_norm": ((48, 2048), (5, 1), (24, 1003), (6, 8192)),
-    "rms_norm_gated": ((96, 128), (5, 1), (24, 1003), (6, 8192)),
+    "rms_norm": ((24, 2048), (32, 256), (5, 1), (12, 1003), (4, 8192)),
+    "fused_add_rms_norm": ((24, 2048), (5, 1), (12, 1003), (4, 8192)),
+    "rms_norm_gated": ((40, 128), (5, 1), (12, 1003), (4, 8192)),
 }
 SHAPES_QUICK = {
     "rms_norm": ((16, 2048), (3, 1), (9, 1003)),
@@ -37,7 +39,7 @@ class Profile:
         return (SHAPES_QUICK if quick else SHAPES_FULL)[op]
 
     def seeds(self, quick: bool = False, count: int | None = None) -> tuple[int, ...]:
-        n = count if count is not None else (1 if quick else 3)
+        n = count if count is not None else (1 if quick else 2)
         return tuple(range(n))
 
     def weight_dtypes(self) -> tuple[str, ...]:
