@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, conformance (cpu / cuda / auto).
+"""nox sessions: tests, lint, docs, conformance (cpu / cuda / auto), bench.
 
 CPU sessions run in fresh virtualenvs with torch==2.13.0 pinned (a bare torch
 requirement would pull a multi-GB CUDA build); GPU sessions run in the
@@ -44,6 +44,18 @@ def lint(session: nox.Session) -> None:
     """ruff check over the whole tree."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site strictly and check it in headless Chromium; `-- serve` serves it."""
+    _install_cpu(session, extras="docs")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+        return
+    session.run("mkdocs", "build", "--strict")
+    session.run("pytest", "-q", "-rs", "tests/test_docs.py", *session.posargs)
 
 
 @nox.session(name="conformance-cpu")

@@ -1,0 +1,199 @@
+"""The benchmarks page: tables and matplotlib plots from ``bench/results/*.json``.
+
+Expected schema of a results file (one file per run; see ``notes/docs.md``)::
+
+    {
+      "environment": {"device_name": "NVIDIA H200", "torch": "2.13.0", ...},
+      "rows": [
+        {"name": "rms_norm", "shape": [4096, 2048], "backend": "torch_ext",
+         "direction": "forward", "us": 12.3, "tbps": 3.1, "copy_fraction": 0.82},
+        ...
+      ]
+    }
+
+``environment`` is shown as given (nested values flattened); each row is one
+timing: ``us`` the median time in microseconds, ``tbps`` the achieved memory
+bandwidth in TB/s, ``copy_fraction`` that bandwidth as a fraction of a plain
+device copy of the same bytes. Divergence matrices written by
+``normspec compare`` under ``reports/compare/`` (PNG heatmaps, JSON) are shown
+on the same page and on the operator pages.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchResult", "benchmarks_page", "load_results", "plot_png"]
+
+DIRECTIONS = ("forward", "backward")
+ROW_KEYS = ("name", "shape", "backend", "direction", "us", "tbps", "copy_fraction")
+
+
+class BenchResultError(ValueError):
+    """A results file that does not follow the schema."""
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One results file."""
+
+    path: Path
+    environment: Mapping[str, Any]
+    rows: Sequence[Mapping[str, Any]]
+
+    @property
+    def stem(self) -> str:
+        return self.path.stem
+
+
+def load_results(directory: Path) -> list[BenchResult]:
+    """Every ``*.json`` under ``directory``, checked against the schema, sorted by name."""
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchResultError(f"{path}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise BenchResultError(f"{path}: expected an object with a 'rows' list")
+        for i, row in enumerate(data["rows"]):
+            missing = [k for k in ("name", "backend", "direction", "us") if k not in row]
+            if missing:
+                raise BenchResultError(f"{path}: rows[{i}] lacks {missing}")
+        out.append(BenchResult(path, data.get("environment") or {}, data["rows"]))
+    return out
+
+
+def _flatten(env: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    out = []
+    for key, value in env.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out += _flatten(value, name + ".")
+        else:
+            out.append((name, json.dumps(value) if not isinstance(value, str) else value))
+    return out
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "×".join(str(v) for v in value)
+    return "—" if value is None else str(value)
+
+
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "—"
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
+    """A grouped bar chart (one group per case, one bar per backend) as PNG bytes.
+
+    Bars show ``copy_fraction`` when every row has it, else ``tbps``, else ``us``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = (("copy_fraction", "fraction of device copy bandwidth"), ("tbps", "TB/s"),
+               ("us", "µs (lower is better)"))
+    metric, label = next(((m, lab) for m, lab in metrics
+                          if all(isinstance(r.get(m), int | float) for r in rows)), metrics[-1])
+    cases = list(dict.fromkeys(f"{r['name']} {_shape(r.get('shape'))}" for r in rows))
+    backends = list(dict.fromkeys(str(r["backend"]) for r in rows))
+    values = {(f"{r['name']} {_shape(r.get('shape'))}", str(r["backend"])): r.get(metric)
+              for r in rows}
+    height = 0.8 / max(1, len(backends))
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * len(cases) * max(1, len(backends)) ** 0.5))
+    for j, backend in enumerate(backends):
+        ys = [i + j * height for i in range(len(cases))]
+        xs = [values.get((c, backend)) or 0.0 for c in cases]
+        ax.barh(ys, xs, height=height, label=backend)
+    ax.set_yticks([i + height * (len(backends) - 1) / 2 for i in range(len(cases))])
+    ax.set_yticklabels(cases)
+    ax.invert_yaxis()
+    ax.set_xlabel(label)
+    if metric == "copy_fraction":
+        ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def benchmarks_page(
+    results: Sequence[BenchResult], compare_files: Sequence[Path] = (),
+    image_dir: str = "assets/bench", compare_dir: str = "assets/compare",
+) -> tuple[str, dict[str, bytes]]:
+    """The page's Markdown and the generated files (site path -> bytes)."""
+    files: dict[str, bytes] = {}
+    lines = [
+        "# Benchmarks",
+        "",
+        "Timings of each backend, from the JSON results committed under `bench/results/`, "
+        "tabulated and plotted when the site is built. The benchmark sessions print the "
+        "same tables; tests never assert on time.",
+        "",
+    ]
+    if not results:
+        lines += ['!!! note "No benchmark results committed yet"', "",
+                  "    `bench/results/` holds no `*.json` file yet. Once a run's results "
+                  "are committed there, this page shows their tables and plots.", ""]
+    for res in results:
+        lines += [f"## {res.stem}", "", f"From `bench/results/{res.path.name}`.", ""]
+        env = _flatten(res.environment)
+        if env:
+            lines += ["| environment | |", "| --- | --- |"]
+            lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in env]
+            lines.append("")
+        directions = [d for d in DIRECTIONS if any(r["direction"] == d for r in res.rows)]
+        directions += sorted({str(r["direction"]) for r in res.rows} - set(directions))
+        for direction in directions:
+            rows = [r for r in res.rows if r["direction"] == direction]
+            lines += [f"### {res.stem}: {direction}", "",
+                      "| case | shape | backend | µs | TB/s | copy fraction |",
+                      "| --- | --- | --- | ---: | ---: | ---: |"]
+            for r in rows:
+                lines.append(
+                    f"| `{_cell(r['name'])}` | {_shape(r.get('shape'))} | `{_cell(r['backend'])}` "
+                    f"| {_num(r.get('us'), '.2f')} | {_num(r.get('tbps'), '.3f')} "
+                    f"| {_num(r.get('copy_fraction'), '.2f')} |")
+            png = f"{image_dir}/{res.stem}-{direction}.png"
+            files[png] = plot_png(rows, f"{res.stem}: {direction}")
+            lines += ["", f"![{res.stem} {direction}]({png})", ""]
+    lines += compare_section(compare_files, compare_dir, files)
+    return "\n".join(lines) + "\n", files
+
+
+def compare_section(
+    compare_files: Sequence[Path], compare_dir: str, files: dict[str, bytes]
+) -> list[str]:
+    """Divergence matrices from ``reports/compare/`` (PNGs shown, JSON linked)."""
+    lines = ["## Divergence between backends", ""]
+    if not compare_files:
+        return [*lines, "No divergence matrix committed yet (`normspec compare` writes them "
+                "under `reports/compare/`).", ""]
+    lines += ["Pairwise agreement of the backends on the same inputs, from "
+              "`reports/compare/`.", ""]
+    for path in compare_files:
+        target = f"{compare_dir}/{path.name}"
+        files[target] = path.read_bytes()
+        if path.suffix == ".png":
+            lines += [f"![{path.stem}]({target})", ""]
+        else:
+            lines += [f"- [`{path.name}`]({target})"]
+    return [*lines, ""]

@@ -1,0 +1,312 @@
+"""Markdown for the generated pages: operators, backends, CLI, conformance overview."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.metadata
+import inspect
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from normspec import registry
+from normspec.gates import LEVELS, TOLERANCES
+from normspec.ops import OPS, OpDef, variant_name
+from normspec.spec import PRESETS
+from normspec.transforms import TRANSFORMS
+
+from .conformance import Report, level_badge, render_conformance, render_overview
+
+__all__ = [
+    "backends_page",
+    "cli_page",
+    "conformance_page",
+    "invariance_table",
+    "operator_page",
+    "readme_quickstart",
+    "tolerance_table",
+]
+
+#: What each conformance level means (the report's ``level`` values).
+LEVEL_MEANING = {
+    "exact": "bits equal to the spec for every input tried, under every transform",
+    "invariant": "not bitwise equal to the spec, but bitwise invariant under every transform",
+    "accurate": "within the contract tolerance of the spec, but not invariant",
+    "fails": "outside the tolerance, or a crash (the failing lines are listed)",
+    "unavailable": "the backend could not run here (the reason is in the report)",
+    "none": "not run (no backward, or no report)",
+}
+SINGLETON_AGGREGATION = (
+    "`dweight` of the batch equals the spec's row tree over the singletons' `dweight` "
+    "(fp32 weights; gradient gate only)"
+)
+
+
+def _spec_module(op: OpDef) -> str:
+    return op.forward.__module__
+
+
+def tolerance_table() -> str:
+    """[`TOLERANCES`][normspec.gates.TOLERANCES] as a Markdown table."""
+    rows = ["| kind | dtype | `rtol` | `atol_rms` |", "| --- | --- | --- | --- |"]
+    for (kind, dtype), tol in TOLERANCES.items():
+        rows.append(f"| {kind} | `{str(dtype).removeprefix('torch.')}` | {tol.rtol:g} "
+                    f"| {tol.atol_rms:g} |")
+    return "\n".join(rows) + "\n"
+
+
+def invariance_table() -> str:
+    """[`TRANSFORMS`][normspec.transforms.TRANSFORMS] (and singleton aggregation) as a table."""
+    rows = ["| gate | what the backend is called on |", "| --- | --- |"]
+    for t in TRANSFORMS:
+        rows.append(f"| `{t.name}` | {t.description} |")
+    rows.append(f"| `singleton_aggregation` | {SINGLETON_AGGREGATION} |")
+    return "\n".join(rows) + "\n"
+
+
+def levels_table() -> str:
+    rows = ["| level | meaning |", "| --- | --- |"]
+    for level in (*LEVELS, "unavailable", "none"):
+        rows.append(f"| {level_badge(level)} | {LEVEL_MEANING.get(level, '')} |")
+    return "\n".join(rows) + "\n"
+
+
+def _presets_for(op: OpDef) -> list[str]:
+    out = []
+    for p in PRESETS.values():
+        if p.op is op.forward:
+            kwargs = ", ".join(f"`{k}={v!r}`" for k, v in p.kwargs.items())
+            widths = ", ".join(f"{k} {v}" for k, v in p.widths.items())
+            out.append(f"[`{p.name}`][normspec.spec.presets.{p.name}]: {kwargs}"
+                       + (f"; row widths: {widths}" if widths else ""))
+    return out
+
+
+def operator_page(
+    name: str, reports: Sequence[Report], heatmaps: Sequence[str] = ()
+) -> str:
+    """The page of one operator: spec (math, order, conventions, backward), gates, conformance.
+
+    ``heatmaps`` are site paths (relative to the page's directory) of divergence
+    heatmap PNGs for this operator.
+    """
+    op = OPS[name]
+    module = _spec_module(op)
+    fwd = f"{module}.{op.forward.__name__}"
+    bwd = f"{module}.{op.backward.__name__}"
+    presets = _presets_for(op)
+    lines = [
+        f"# `{name}`",
+        "",
+        f"Generated from the spec module [`{module}`][{module}] and the conformance reports "
+        "committed under `reports/`.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| spec forward | [`{fwd}`][{fwd}] |",
+        f"| spec backward | [`{bwd}`][{bwd}] |",
+        f"| row inputs | {', '.join(f'`{n}`' for n in op.row_inputs)} (then `weight`) |",
+        f"| outputs | {', '.join(f'`{n}`' for n in op.outputs)} |",
+        f"| gradients | {', '.join(f'`{n}`' for n in (*op.row_grads, 'dweight'))} |",
+        f"| variants checked | {', '.join(f'`{variant_name(v)}`' for v in op.variants)} |",
+    ]
+    if presets:
+        lines.append(f"| Qwen3-Next preset | {'<br>'.join(presets)} |")
+    lines += [
+        "",
+        f"[](){{#{module}}}",
+        "## Specification",
+        "",
+        f"The normative text of [`{module}`][{module}]: the math, the declared rounding "
+        "order, which upstream library follows which convention, and the backward.",
+        "",
+        f"::: {module}",
+        "    options:",
+        "      show_root_heading: false",
+        "      show_root_toc_entry: false",
+        "      heading_level: 3",
+        f"      members: [{op.forward.__name__}, {op.backward.__name__}]",
+        "",
+        "## Tolerances",
+        "",
+        "A backend that is not bitwise equal to the spec is still *accurate* when every "
+        "element satisfies $|\\mathrm{got} - \\mathrm{ref}| \\le \\mathrm{atol\\_rms} "
+        "\\cdot s + \\mathrm{rtol} \\cdot |\\mathrm{ref}|$, where $s$ is the root mean square "
+        "of the reference (for gradients at least that of the incoming gradient); see "
+        "[`Tolerance`][normspec.gates.Tolerance].",
+        "",
+        tolerance_table(),
+        "## Invariance gates",
+        "",
+        "Each transform calls the backend on the same rows presented differently; an "
+        "*invariant* backend returns bitwise the rows of the plain full-batch call "
+        "(forward outputs and row gradients). See [`normspec.transforms`][normspec.transforms].",
+        "",
+        invariance_table(),
+        "## Conformance",
+        "",
+        "Rendered from the reports committed under `reports/`. Levels:",
+        "",
+        levels_table(),
+        render_conformance(name, reports),
+    ]
+    if heatmaps:
+        lines += ["## Divergence between backends", ""]
+        for src in heatmaps:
+            lines += [f"![divergence matrix {Path(src).stem}]({src})", ""]
+    return "\n".join(lines)
+
+
+def conformance_page(reports: Sequence[Report]) -> str:
+    """All operators × profiles × backends on one page."""
+    return "\n".join([
+        "# Conformance overview",
+        "",
+        "Every backend against the spec, per operator and profile, as `forward / gradient` "
+        "levels, from the reports committed under `reports/`. Each operator page has the "
+        "details: device, versions, date, commit and the failing gate lines.",
+        "",
+        levels_table(),
+        render_overview(reports, OPS),
+    ])
+
+
+def _builtin_entry_points() -> list[importlib.metadata.EntryPoint]:
+    eps = importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP)
+    own = {ep.name: ep for ep in eps if ep.dist is not None and ep.dist.name == "normspec"}
+    return [own[n] for n in sorted(own)]
+
+
+def backends_page() -> str:
+    """Every built-in backend of the registry: what it wraps, ops, backward, install, status."""
+    lines = [
+        "# Backends",
+        "",
+        "The built-in backends, registered through the same `normspec.backends` entry-point "
+        "group a third-party plugin uses (see [Writing your own backend](writing-a-backend.md)). "
+        "`normspec list` prints the same information for the environment you run it in. "
+        "A backend's `available()` returns `None` when it can run and otherwise the reason it "
+        "cannot (library missing, no GPU, …); a conformance run then records it as "
+        "*unavailable* with that reason, and never fails on it.",
+        "",
+        "| backend | module | ops |",
+        "| --- | --- | --- |",
+    ]
+    sections: list[str] = []
+    entries = registry.entries()
+    for ep in _builtin_entry_points():
+        entry = entries.get(ep.name)
+        backend = entry.load() if entry else None
+        ops = ", ".join(f"`{o}`" for o in (backend.ops if backend else {}))
+        lines.append(f"| [`{ep.name}`](#{ep.name.replace('_', '-')}) | `{ep.module}` "
+                     f"| {ops or '—'} |")
+        sections += _backend_section(ep, entry, backend)
+    return "\n".join([*lines, "", *sections])
+
+
+def _backend_section(ep, entry, backend) -> list[str]:
+    out = [f"## `{ep.name}`", ""]
+    try:
+        module = importlib.import_module(ep.module)
+        doc = inspect.getdoc(module)
+    except Exception as exc:  # a broken backend is shown, never breaks the docs
+        doc = None
+        out += [f'!!! failure "broken"\n\n    importing `{ep.module}` failed: `{exc}`', ""]
+    if doc:
+        out += [_demote_headings(doc), ""]
+    if backend is None:
+        reason = entry.broken if entry else "not registered"
+        out += [f"Not loadable: `{reason}`", ""]
+        return out
+    source = _safe(lambda: backend.source)
+    out += ["| | |", "| --- | --- |",
+            f"| entry point | `{ep.name} = \"{ep.value}\"` |",
+            f"| wraps | {_cellify(source)} |"]
+    status = _safe(backend.available)
+    out.append(f"| install | {_cellify(_install_hint(backend, status))} |")
+    out.append("| status in the docs build | "
+               + ("available" if status is None else f"unavailable: {_cellify(status)}") + " |")
+    out += ["", "| op | backward | parameters | devices | weight dtypes |",
+            "| --- | --- | --- | --- | --- |"]
+    for op_name, support in backend.ops.items():
+        params = "; ".join(f"`{k}` ∈ {list(v)}" for k, v in support.params.items()) or "all"
+        out.append(f"| `{op_name}` | {support.backward} | {_cellify(params)} "
+                   f"| {', '.join(support.devices)} | {', '.join(support.weight_dtypes)} |")
+    out.append("")
+    return out
+
+
+def _install_hint(backend, status: str | None) -> str:
+    """A backend's ``install`` attribute, else the ``pip install`` its unavailability names."""
+    install = getattr(backend, "install", None)
+    if install:
+        return str(install)
+    m = re.search(r"pip install [^)\n;]+", status or "")
+    if m:
+        return f"`{m.group(0).strip()}`"
+    if status is None:
+        return "ships with normspec; nothing more to install"
+    return "see the status below"
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _cellify(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _demote_headings(doc: str) -> str:
+    """Module docstrings are shown under an h2: their own headings go one level down."""
+    return re.sub(r"^(#{1,5}) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", doc, flags=re.M)
+
+
+@contextlib.contextmanager
+def _columns(n: int) -> Iterator[None]:
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def cli_page() -> str:
+    """``normspec --help`` and every subcommand's help, from the argparse parser itself."""
+    from normspec import cli
+
+    with _columns(96):
+        parser = cli._parser()
+        lines = ["[](){#normspec.cli}", "# Command line", "",
+                 "Generated from the `argparse` parser of [`normspec.cli`][normspec.cli]: "
+                 "what `normspec --help` prints.", "",
+                 "```text", parser.format_help().rstrip(), "```", ""]
+        for name, sub in _subparsers(parser).items():
+            lines += [f"## `normspec {name}`", "", "```text", sub.format_help().rstrip(),
+                      "```", ""]
+    return "\n".join(lines)
+
+
+def readme_quickstart(readme: str) -> str:
+    """The first fenced code block under the README's ``## Quickstart`` heading."""
+    m = re.search(r"^## Quickstart\s*$(.*?)^(```\w*\n.*?^```)\s*$", readme, flags=re.M | re.S)
+    if not m:
+        raise ValueError("README.md: no fenced code block under '## Quickstart'")
+    return m.group(2)

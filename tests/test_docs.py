@@ -1,0 +1,296 @@
+"""The docs site: generated pages, a strict build, and every operator page in headless Chromium.
+
+The page generators (``docs_gen``) are checked without MkDocs. The build tests
+need the ``docs`` extra (``nox -s docs`` installs it) and are skipped without
+it; the browser tests also need Debian's ``chromium`` (``.ci/run`` installs it)
+and are skipped without it. The site is built into ``site/`` (or
+``$NORMSPEC_DOCS_SITE_DIR``) and the screenshots are saved in
+``site/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import http.server
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from normspec.ops import OPS
+from normspec.profiles import PROFILES
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from docs_gen import bench, conformance, pages  # noqa: E402
+
+DOCS_MODULES = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python",
+                "pymdownx", "matplotlib", "griffe_sphinx")
+PLUGIN = ROOT / "tests" / "plugins" / "example_plugin"
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--hide-scrollbars",
+    # the site must work offline: no host but this machine resolves
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+)
+
+
+def _missing_docs_modules() -> list[str]:
+    missing = []
+    for name in DOCS_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
+
+
+needs_mkdocs = pytest.mark.skipif(
+    bool(_missing_docs_modules()),
+    reason=f"docs tooling not installed ({', '.join(_missing_docs_modules())}); "
+    "nox -s docs installs the docs extra",
+)
+needs_chromium = pytest.mark.skipif(
+    _chromium() is None,
+    reason="chromium is not installed (apt-get install -y chromium; .ci/run installs it)",
+)
+
+
+# -- generators, no MkDocs needed --------------------------------------------------------
+
+
+def _report(op: str, profile: str, results: dict) -> dict:
+    from normspec.report import build_report
+
+    return build_report(op, PROFILES[profile], results, quick=True, seeds=1,
+                        command="normspec conformance --quick",
+                        library_versions={"reference": "0.1.0", "lib": "9.9"})
+
+
+def _result(forward: str, gradient: str, failed: list[str] | None = None) -> dict:
+    stats = {"y": {"min_equal_fraction": 0.5, "max_ulp": 3, "max_abs": 1e-3, "max_rel": 1e-3}}
+    return {
+        "source": "lib 9.9", "backward": "full",
+        "level": {"forward": forward, "gradient": gradient},
+        "contract_gates": {
+            "forward": {"passed": True, "level": forward, "failed_lines": failed or [],
+                        "mismatch_lines": [], "statistics": stats, "comparisons": 4},
+            "gradient": {"passed": True, "level": gradient, "failed_lines": [],
+                         "mismatch_lines": [], "statistics": {}, "comparisons": 4},
+        },
+        "skipped_variants": {"offset=0.0": "offset=0.0 not supported (supports [1.0])"},
+    }
+
+
+def test_conformance_table_from_reports(tmp_path):
+    data = _report("rms_norm", "cpu_bf16", {
+        "reference": _result("exact", "exact"),
+        "lib": _result("fails", "accurate", ["forward case=x tensor=y passed=False"]),
+    })
+    path = tmp_path / "cpu_bf16" / "rms_norm.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "m.json").write_text('{"kind": "normspec.compare"}')
+    reports = conformance.load_reports(tmp_path)
+    assert [(r.op, r.profile) for r in reports] == [("rms_norm", "cpu_bf16")]
+    md = conformance.render_conformance("rms_norm", reports)
+    assert 'class="ns-conformance"' in md
+    rows = [line for line in md.splitlines() if line.startswith("| `")]
+    assert any("`lib`" in r and "ns-fails" in r and "9.9" in r and "3 / —" in r for r in rows)
+    commit = data["environment"]["git"]["commit"]
+    if commit:
+        assert commit[:10] in md
+    assert data["environment"]["date"][:10] in md
+    for profile in PROFILES:
+        if profile != "cpu_bf16":
+            assert f"| — | `{profile}` |" in md  # a row saying no report is committed
+    assert "No report committed" in md
+    assert "forward case=x tensor=y passed=False" in md  # failing lines are shown
+    assert "skipped `offset=0.0`" in md
+    overview = conformance.render_overview(reports, OPS)
+    assert "ns-fails" in overview and "operators/rms_norm.md#conformance" in overview
+
+
+def test_broken_report_is_an_error(tmp_path):
+    (tmp_path / "cpu_fp32").mkdir()
+    (tmp_path / "cpu_fp32" / "rms_norm.json").write_text("{not json")
+    with pytest.raises(conformance.ReportError, match=r"rms_norm\.json"):
+        conformance.load_reports(tmp_path)
+
+
+def test_operator_page_has_spec_gates_and_conformance():
+    md = pages.operator_page("rms_norm_gated", [])
+    assert "::: normspec.spec.gated" in md
+    assert "members: [rms_norm_gated, rms_norm_gated_backward]" in md
+    for t in ("batch", "chunk", "misaligned", "singleton_aggregation"):
+        assert f"| `{t}` |" in md
+    assert "| gradient | `bfloat16` |" in md
+    assert 'class="ns-conformance"' in md
+    assert "qwen3_next_rms_norm_gated" in md
+
+
+def test_benchmarks_page_without_and_with_results(tmp_path):
+    md, files = bench.benchmarks_page([])
+    assert "No benchmark results committed yet" in md and not files
+    pytest.importorskip("matplotlib")
+    rows = [{"name": "rms_norm", "shape": [4096, 2048], "backend": b, "direction": d,
+             "us": 10.0 + i, "tbps": 3.0, "copy_fraction": 0.8}
+            for i, b in enumerate(("reference", "torch_ext")) for d in ("forward", "backward")]
+    (tmp_path / "h200.json").write_text(json.dumps({"environment": {"gpu": "H200"},
+                                                     "rows": rows}))
+    md, files = bench.benchmarks_page(bench.load_results(tmp_path))
+    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 |" in md
+    assert set(files) == {"assets/bench/h200-forward.png", "assets/bench/h200-backward.png"}
+    assert all(data.startswith(b"\x89PNG") for data in files.values())
+
+
+def test_readme_quickstart_is_the_readme_block():
+    block = pages.readme_quickstart((ROOT / "README.md").read_text())
+    assert block.startswith("```") and "nox -s conformance" in block
+
+
+def test_plugin_page_includes_every_plugin_file():
+    """The 'writing your own backend' page shows the tested plugin, file by file."""
+    page = (ROOT / "docs" / "backends" / "writing-a-backend.md").read_text()
+    included = set(re.findall(r'^--8<-- "([^"]+)"$', page, flags=re.M))
+    files = {p.relative_to(ROOT).as_posix() for p in PLUGIN.rglob("*")
+             if p.is_file() and p.suffix in (".py", ".toml", ".cfg")
+             and not any(part.endswith(("egg-info", "__pycache__", "build")) for part in p.parts)}
+    assert files and files <= included, f"not shown on the page: {sorted(files - included)}"
+
+
+# -- the built site ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    out = Path(os.environ.get("NORMSPEC_DOCS_SITE_DIR") or ROOT / "site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-6000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                            functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+@needs_mkdocs
+def test_strict_build_has_every_page(site):
+    for rel in ("index.html", "arithmetic/index.html", "backends/index.html",
+                "backends/writing-a-backend/index.html", "benchmarks/index.html",
+                "conformance/index.html", "reference/cli/index.html",
+                "assets/katex/katex.min.js", "assets/katex/katex.min.css"):
+        assert (site / rel).is_file(), rel
+    for op in OPS:
+        assert (site / "operators" / op / "index.html").is_file(), op
+    assert list((site / "assets" / "katex" / "fonts").glob("*.woff2"))
+    plugin_page = (site / "backends" / "writing-a-backend" / "index.html").read_text()
+    text = html.unescape(re.sub(r"<[^>]+>", "", plugin_page))
+    assert 'textbook = "normspec_example_plugin:backend"' in text
+    assert "class TextbookBackend(Backend):" in text
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    assert "normspec conformance" in cli and "--device" in cli
+
+
+@needs_mkdocs
+def test_site_loads_nothing_from_other_hosts(site):
+    external = re.compile(
+        r"<(?:script|img|iframe)\b[^>]*\bsrc=\"(?:https?:)?//|"
+        r"<link\b(?=[^>]*\brel=\"(?:stylesheet|preconnect|preload|icon)\")[^>]*\bhref=\"(?:https?:)?//"
+    )
+    offenders = []
+    for page in site.rglob("*.html"):
+        text = page.read_text()
+        if external.search(text) or "fonts.googleapis" in text or "fonts.gstatic" in text:
+            offenders.append(page.relative_to(site).as_posix())
+    css = (site / "assets" / "katex" / "katex.min.css").read_text()
+    assert "http" not in re.sub(r"/\*.*?\*/", "", css, flags=re.S)  # fonts are local
+    assert not offenders, f"pages loading from another host: {offenders}"
+
+
+def _chromium_run(url: str, *args: str, tmp: Path) -> str:
+    proc = subprocess.run(
+        [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp}", "--window-size=1280,2200",
+         "--virtual-time-budget=15000", *args, url],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert proc.returncode == 0, f"chromium failed on {url}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@needs_mkdocs
+@needs_chromium
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_operator_page_in_chromium(op, site, server, tmp_path):
+    url = f"{server}/operators/{op}/"
+    dom = _chromium_run(url, "--dump-dom", tmp=tmp_path / "profile")
+    # the math was rendered by KaTeX, served from this site
+    math = dom.count('class="arithmatex"')
+    assert math >= 1 and dom.count('class="katex"') >= math, "math not rendered by KaTeX"
+    assert dom.count('data-ns-rendered="1"') == math, "some math was left unrendered"
+    assert "katex-error" not in dom, re.findall(r'katex-error"[^>]*title="([^"]*)', dom)[:5]
+    # the conformance table, rendered from reports/
+    section = dom.split('class="ns-conformance"', 1)
+    assert len(section) == 2 and "<table" in section[1].split("</div>", 1)[0], \
+        "no conformance table in the page"
+    assert "<th>profile</th>" in section[1] or ">profile<" in section[1]
+    # the spec's normative text and its cross-references
+    assert "Declared" in dom or "declared" in dom
+    assert re.search(r'href="[^"]*#normspec\.spec\.\w+', dom), \
+        "the spec's cross-references did not resolve to links"
+    shots = site / "screenshots"
+    shots.mkdir(exist_ok=True)
+    png = shots / f"{op}.png"
+    _chromium_run(url, f"--screenshot={png}", tmp=tmp_path / "profile")
+    assert png.is_file() and png.read_bytes().startswith(b"\x89PNG")
+
+
+@needs_mkdocs
+@needs_chromium
+def test_home_page_in_chromium(site, server, tmp_path):
+    dom = _chromium_run(f"{server}/", "--dump-dom", tmp=tmp_path / "profile")
+    assert 'class="katex"' in dom and "katex-error" not in dom
+    assert "nox -s conformance" in dom
+    shots = site / "screenshots"
+    shots.mkdir(exist_ok=True)
+    _chromium_run(f"{server}/", f"--screenshot={shots / 'index.png'}", tmp=tmp_path / "profile")
+    assert (shots / "index.png").is_file()
