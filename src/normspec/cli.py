@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import harness, registry
+from .compare import add_compare_parser, run_compare_command
 from .conformance import default_device, run_conformance, summary_table
 from .ops import OPS
 from .profiles import PROFILES, get_profile
@@ -112,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--op", action="append", choices=sorted(OPS), help="restrict to these ops")
     k.add_argument("--seeds", type=int, default=None)
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
+    add_compare_parser(sub)
     sub.add_parser("build", help="build the backends that compile code (torch extension)")
     return p
 
@@ -121,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     handlers = {"list": _cmd_list, "check": _cmd_check, "conformance": _cmd_conformance,
-                "build": _cmd_build}
+                "build": _cmd_build, "compare": run_compare_command}
     try:
         return handlers[args.command](args, console)
     except (registry.UnknownBackendError, ValueError) as exc:
