@@ -90,6 +90,14 @@ def conformance_cuda(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Time our kernels against their peers on the GPU; JSON under bench/results/."""
+    session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                "-e", ".")
+    session.run("python", "bench/run.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def conformance(session: nox.Session) -> None:
     """The main job: conformance-cuda when torch sees a GPU here, else conformance-cpu."""
     target = "conformance-cuda" if _cuda_visible() else "conformance-cpu"

@@ -1,0 +1,266 @@
+// CUDA implementations of the normspec operators, registered for the CUDA
+// dispatch key. The kernels live in normspec_kernels.cuh and are launched
+// through the torch-free normspec_launch.cu; this file (plain C++, so that
+// nvcc never has to parse the torch headers) does the checks, the row views,
+// the allocations (caching allocator only) and passes the current stream: no
+// host synchronisation anywhere, so the operators are CUDA-graph safe.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "normspec_host.h"
+#include "normspec_launch.h"
+
+namespace normspec {
+namespace {
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return DT_F32;
+    case at::kBFloat16:
+      return DT_BF16;
+    case at::kHalf:
+      return DT_F16;
+    default:
+      TORCH_CHECK(false, "normspec: unsupported dtype ", t);
+  }
+  return -1;
+}
+
+// Multiprocessors of the current device (cached per device; no synchronisation).
+int sm_count() {
+  static int cache[64] = {0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev] = n > 0 ? n : 1;
+  }
+  return cache[dev];
+}
+
+at::Tensor new_rows(const at::Tensor& x) { return at::empty(x.sizes(), x.options()); }
+
+int base_flags(const at::Tensor& x, const at::Tensor& w, double offset) {
+  int flags = rms_flags(offset);
+  if (w.scalar_type() == x.scalar_type()) flags |= F_W_IS_INPUT;
+  return flags;
+}
+
+LaunchArgs base_args(const RowView& xv, const at::Tensor& w32, double eps, double offset,
+                     int flags) {
+  LaunchArgs a;
+  a.x = xv.t.data_ptr();
+  a.sx = xv.stride;
+  a.w = w32.data_ptr<float>();
+  a.rows = xv.rows;
+  a.H = xv.hidden;
+  a.eps = static_cast<float>(eps);
+  a.offset = static_cast<float>(offset);
+  a.flags = flags;
+  return a;
+}
+
+void forward(int op, const at::Tensor& x, LaunchArgs a) {
+  C10_CUDA_CHECK(launch_forward(op, dtype_code(x.scalar_type()), a,
+                                c10::cuda::getCurrentCUDAStream()));
+}
+
+// Runs the backward kernel and the dweight row tree; returns dweight in the
+// weight's dtype.
+at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int dt = dtype_code(x.scalar_type());
+  const BackwardPlan plan = backward_plan(dt, a.rows, a.H, sm_count());
+  const at::TensorOptions fopts = x.options().dtype(at::kFloat);
+  at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
+  C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));
+  long long G = plan.groups;
+  while (G > 1) {
+    const long long gout = col_tree_rows_out(G);
+    at::Tensor out = at::empty({gout, a.H}, fopts);
+    C10_CUDA_CHECK(launch_col_tree(ws.data_ptr<float>(), out.data_ptr<float>(), G, a.H, stream));
+    ws = out;
+    G = gout;
+  }
+  return ws.view({a.H}).to(weight.scalar_type());
+}
+
+// ---- operators -------------------------------------------------------------------
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         double offset) {
+  check_input("x", x);
+  check_weight(weight, x);
+  check_eps(eps);
+  check_offset(offset);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_rows(x);
+  if (x.numel() == 0) return y;
+  const RowView xv = row_view(x);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, offset, base_flags(x, weight, offset));
+  a.y = y.data_ptr();
+  a.sy = xv.hidden;
+  forward(OP_RMS, x, a);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
+                                                          const at::Tensor& x,
+                                                          const at::Tensor& weight, double eps,
+                                                          double offset) {
+  check_input("x", x);
+  check_like("dy", dy, x);
+  check_weight(weight, x);
+  check_eps(eps);
+  check_offset(offset);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = new_rows(x);
+  if (x.numel() == 0) return {dx, at::zeros_like(weight)};
+  const RowView xv = row_view(x), dyv = row_view(dy);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, offset, base_flags(x, weight, offset));
+  a.dy = dyv.t.data_ptr();
+  a.sdy = dyv.stride;
+  a.y = dx.data_ptr();
+  a.sy = xv.hidden;
+  at::Tensor dw = backward(OP_RMS, x, weight, a);
+  return {dx, dw};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps,
+                                                           double offset,
+                                                           c10::string_view residual_sum) {
+  check_input("x", x);
+  check_like("residual", residual, x);
+  check_weight(weight, x);
+  check_eps(eps);
+  check_offset(offset);
+  const bool rounded = parse_residual_sum(residual_sum);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_rows(x), res = new_rows(x);
+  if (x.numel() == 0) return {y, res};
+  const RowView xv = row_view(x), rv = row_view(residual);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, offset,
+                           base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
+  a.r = rv.t.data_ptr();
+  a.sr = rv.stride;
+  a.y = y.data_ptr();
+  a.sy = xv.hidden;
+  a.y2 = res.data_ptr();
+  a.sy2 = xv.hidden;
+  forward(OP_FUSED, x, a);
+  return {y, res};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
+    const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
+    const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
+    c10::string_view residual_sum) {
+  check_input("x", x);
+  check_like("residual", residual, x);
+  check_like("dy", dy, x);
+  check_like("dresidual_out", dresidual_out, x);
+  check_weight(weight, x);
+  check_eps(eps);
+  check_offset(offset);
+  const bool rounded = parse_residual_sum(residual_sum);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = new_rows(x), dres = new_rows(x);
+  if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
+  const RowView xv = row_view(x), rv = row_view(residual), dyv = row_view(dy),
+                drv = row_view(dresidual_out);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, offset,
+                           base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
+  a.r = rv.t.data_ptr();
+  a.sr = rv.stride;
+  a.dy = dyv.t.data_ptr();
+  a.sdy = dyv.stride;
+  a.dres = drv.t.data_ptr();
+  a.sdres = drv.stride;
+  a.y = dx.data_ptr();
+  a.sy = xv.hidden;
+  a.y2 = dres.data_ptr();
+  a.sy2 = xv.hidden;
+  at::Tensor dw = backward(OP_FUSED, x, weight, a);
+  return {dx, dres, dw};
+}
+
+int gated_flags(const at::Tensor& x, const at::Tensor& weight, c10::string_view convention,
+                c10::string_view activation) {
+  return base_flags(x, weight, 0.0) | (parse_convention_hf(convention) ? F_HF : 0) |
+         (parse_activation_sigmoid(activation) ? F_SIGMOID : 0);
+}
+
+at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
+                               const at::Tensor& weight, double eps, c10::string_view convention,
+                               c10::string_view activation) {
+  check_input("x", x);
+  check_like("gate", gate, x);
+  check_weight(weight, x);
+  check_eps(eps);
+  const int flags = gated_flags(x, weight, convention, activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_rows(x);
+  if (x.numel() == 0) return y;
+  const RowView xv = row_view(x), gv = row_view(gate);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, 0.0, flags);
+  a.r = gv.t.data_ptr();
+  a.sr = gv.stride;
+  a.y = y.data_ptr();
+  a.sy = xv.hidden;
+  forward(OP_GATED, x, a);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
+    double eps, c10::string_view convention, c10::string_view activation) {
+  check_input("x", x);
+  check_like("gate", gate, x);
+  check_like("dy", dy, x);
+  check_weight(weight, x);
+  check_eps(eps);
+  const int flags = gated_flags(x, weight, convention, activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = new_rows(x), dgate = new_rows(x);
+  if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
+  const RowView xv = row_view(x), gv = row_view(gate), dyv = row_view(dy);
+  const at::Tensor w = weight_f32(weight);
+  LaunchArgs a = base_args(xv, w, eps, 0.0, flags);
+  a.r = gv.t.data_ptr();
+  a.sr = gv.stride;
+  a.dy = dyv.t.data_ptr();
+  a.sdy = dyv.stride;
+  a.y = dx.data_ptr();
+  a.sy = xv.hidden;
+  a.y2 = dgate.data_ptr();
+  a.sy2 = xv.hidden;
+  at::Tensor dw = backward(OP_GATED, x, weight, a);
+  return {dx, dgate, dw};
+}
+
+}  // namespace
+}  // namespace normspec
+
+TORCH_LIBRARY_IMPL(normspec, CUDA, m) {
+  m.impl("rms_norm", &normspec::rms_norm_cuda);
+  m.impl("rms_norm_backward", &normspec::rms_norm_backward_cuda);
+  m.impl("fused_add_rms_norm", &normspec::fused_add_rms_norm_cuda);
+  m.impl("fused_add_rms_norm_backward", &normspec::fused_add_rms_norm_backward_cuda);
+  m.impl("rms_norm_gated", &normspec::rms_norm_gated_cuda);
+  m.impl("rms_norm_gated_backward", &normspec::rms_norm_gated_backward_cuda);
+}

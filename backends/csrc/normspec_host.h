@@ -1,0 +1,123 @@
+// Torch-facing helpers shared by the CPU (.cpp) and CUDA (.cu) operator
+// implementations: argument checks and the (rows, H) view of an input.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "normspec_arith.h"
+
+namespace normspec {
+
+// A (..., H) tensor seen as rows of H elements with a row stride (in elements).
+// The last dimension must be contiguous and the leading dimensions must
+// collapse into one stride; otherwise a contiguous copy is taken (the results
+// are bitwise identical either way).
+struct RowView {
+  at::Tensor t;        // the tensor whose storage is read (maybe a copy)
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  int64_t stride = 0;  // row stride in elements
+};
+
+inline bool collapsible_rows(const at::Tensor& t, int64_t* row_stride) {
+  const int64_t nd = t.dim();
+  const int64_t hidden = t.size(nd - 1);
+  if (hidden != 1 && t.stride(nd - 1) != 1) return false;
+  int64_t rs = -1, expect = -1;
+  for (int64_t d = nd - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (rs < 0) {
+      rs = t.stride(d);
+      expect = t.stride(d) * t.size(d);
+    } else if (t.stride(d) != expect) {
+      return false;
+    } else {
+      expect = t.stride(d) * t.size(d);
+    }
+  }
+  *row_stride = rs < 0 ? hidden : rs;
+  return true;
+}
+
+inline RowView row_view(const at::Tensor& t) {
+  RowView v;
+  v.hidden = t.size(-1);
+  v.rows = v.hidden > 0 ? t.numel() / v.hidden : 0;
+  int64_t rs = 0;
+  if (collapsible_rows(t, &rs)) {
+    v.t = t;
+    v.stride = rs;
+  } else {
+    v.t = t.contiguous();
+    v.stride = v.hidden;
+  }
+  return v;
+}
+
+inline void check_input(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              name, ": expected dtype in (float32, bfloat16, float16), got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, name,
+              ": expected shape (..., H) with H >= 1, got ", x.sizes());
+}
+
+inline void check_like(const char* name, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK(t.sizes() == x.sizes(), name, ": expected the shape of x, ", x.sizes(), ", got ",
+              t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, ": expected the dtype of x, ",
+              x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == x.device(), name, ": expected the device of x, ", x.device(),
+              ", got ", t.device());
+}
+
+inline void check_weight(const at::Tensor& w, const at::Tensor& x) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "weight: expected shape (", x.size(-1),
+              ",) to match x's last dimension, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == x.scalar_type(),
+              "weight: expected dtype float32 or x's dtype (", x.scalar_type(), "), got ",
+              w.scalar_type());
+  TORCH_CHECK(w.device() == x.device(), "weight: expected the device of x, ", x.device(),
+              ", got ", w.device());
+}
+
+inline void check_eps(double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "eps: expected a finite value > 0, got ", eps);
+}
+
+inline void check_offset(double offset) {
+  TORCH_CHECK(std::isfinite(offset), "offset: expected a finite value, got ", offset);
+}
+
+inline bool parse_residual_sum(c10::string_view s) {
+  if (s == "fp32") return false;
+  if (s == "rounded") return true;
+  TORCH_CHECK(false, "residual_sum: expected one of ('fp32', 'rounded'), got '", std::string(s),
+              "'");
+  return false;
+}
+
+inline bool parse_convention_hf(c10::string_view s) {
+  if (s == "vllm") return false;
+  if (s == "hf") return true;
+  TORCH_CHECK(false, "convention: expected one of ('vllm', 'hf'), got '", std::string(s), "'");
+  return false;
+}
+
+inline bool parse_activation_sigmoid(c10::string_view s) {
+  if (s == "silu") return false;
+  if (s == "sigmoid") return true;
+  TORCH_CHECK(false, "activation: expected one of ('silu', 'sigmoid'), got '", std::string(s),
+              "'");
+  return false;
+}
+
+// The fp32 weight the kernels read (exact conversion, contiguous).
+inline at::Tensor weight_f32(const at::Tensor& w) { return w.to(at::kFloat).contiguous(); }
+
+// Flags from the operator options.
+inline int rms_flags(double offset) { return offset != 0.0 ? F_OFFSET : 0; }
+
+}  // namespace normspec

@@ -1,0 +1,48 @@
+// Host-side launch interface of the normspec CUDA kernels. Torch-free: the
+// torch extension (normspec_cuda.cpp) calls these functions, which are
+// implemented next to the kernels in normspec_launch.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace normspec {
+
+enum Dtype : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+// Row pointers and strides (in elements) of one call; nullptr where unused.
+//   forward:  x, r (residual / gate), w (fp32, H), y, y2 (new residual)
+//   backward: x, r, w, dy, dres (gradient of the new residual), y = dx,
+//             y2 = dresidual / dgate
+struct LaunchArgs {
+  const void* x = nullptr;
+  const void* r = nullptr;
+  const void* dy = nullptr;
+  const void* dres = nullptr;
+  void* y = nullptr;
+  void* y2 = nullptr;
+  const float* w = nullptr;
+  long long rows = 0, H = 0, sx = 0, sr = 0, sdy = 0, sdres = 0, sy = 0, sy2 = 0;
+  float eps = 0.f, offset = 0.f;
+  int flags = 0;  // normspec::Flags; F_ALIGNED is set by the launcher
+};
+
+// The backward's dweight plan: each team reduces groups of 2**glog rows and
+// writes `groups` fp32 rows of H to the workspace.
+struct BackwardPlan {
+  int glog = 0;
+  long long groups = 0;
+};
+
+BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count);
+
+// Kernel launches on `stream`; they return cudaGetLastError().
+cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);
+cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const BackwardPlan& plan,
+                            cudaStream_t stream);
+// One level of the workspace row tree: out[o] = tree of in[o*C .. o*C + C)
+// with C = min(16, next_pow2(G)); out has col_tree_rows_out(G) rows of H.
+long long col_tree_rows_out(long long G);
+cudaError_t launch_col_tree(const float* in, float* out, long long G, long long H,
+                            cudaStream_t stream);
+
+}  // namespace normspec

@@ -1,0 +1,169 @@
+"""Build and load the normspec torch extension (JIT, through ``torch.utils.cpp_extension``).
+
+The C++ and CUDA sources live in ``normspec/backends/csrc`` (shared with the
+CuPy backend). The CPU kernels are always built; the CUDA kernels only when
+torch sees a GPU and ``nvcc`` is found. The build is cached under
+``$NORMSPEC_BUILD_DIR`` or ``$TORCH_EXTENSIONS_DIR/normspec`` or
+``~/.cache/normspec/torch_ext`` (one sub-directory per torch / CUDA / Python
+version), so only the first use pays for the compilation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["CSRC", "available", "build", "build_directory", "cuda_build_possible", "loaded"]
+
+#: The directory of the C++/CUDA sources (shipped in the wheel as package data).
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+CPU_SOURCES = ("normspec_ops.cpp", "normspec_cpu.cpp")
+CUDA_SOURCES = ("normspec_cuda.cpp", "normspec_launch.cu")
+#: Files that every translation unit depends on (a change forces a rebuild).
+HEADERS = ("normspec_arith.h", "normspec_host.h", "normspec_kernels.cuh", "normspec_launch.h")
+
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+CUDA_CFLAGS = [
+    "-O3",
+    "-fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+    "-Xcompiler",
+    "-ffp-contract=off",
+]
+
+_lock = threading.Lock()
+_loaded: str | None = None  # the library path once loaded
+_error: str | None = None  # why the last build/load failed
+
+
+def cuda_build_possible() -> str | None:
+    """``None`` when the CUDA kernels can be built here, else why not."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if home is None or not (Path(home) / "bin" / "nvcc").exists():
+        return "nvcc not found (set CUDA_HOME)"
+    return None
+
+
+def _tag(with_cuda: bool) -> str:
+    dev = f"cu{torch.version.cuda}" if with_cuda else "cpu"
+    torch_version = torch.__version__.replace("+", "_")
+    return f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def build_directory(with_cuda: bool | None = None) -> Path:
+    """Where the extension is built and cached."""
+    if with_cuda is None:
+        with_cuda = cuda_build_possible() is None
+    if os.environ.get("NORMSPEC_BUILD_DIR"):
+        base = Path(os.environ["NORMSPEC_BUILD_DIR"])
+    elif os.environ.get("TORCH_EXTENSIONS_DIR"):
+        base = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "normspec"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        base = Path(cache) / "normspec" / "torch_ext"
+    return base / _tag(with_cuda)
+
+
+def _prerequisites() -> str | None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH)"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def build(verbose: bool = True) -> str:
+    """Build (or load from the cache) the extension and register its operators.
+
+    Returns the path of the loaded library. Raises ``RuntimeError`` with the
+    reason when the build fails. Thread-safe; later calls are free.
+    """
+    global _loaded, _error
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        reason = _prerequisites()
+        if reason is not None:
+            _error = reason
+            raise RuntimeError(f"normspec torch_ext: {reason}")
+        from torch.utils import cpp_extension
+
+        with_cuda = cuda_build_possible() is None
+        sources = [str(CSRC / s) for s in CPU_SOURCES]
+        if with_cuda:
+            sources += [str(CSRC / s) for s in CUDA_SOURCES]
+        directory = build_directory(with_cuda)
+        directory.mkdir(parents=True, exist_ok=True)
+        name = "normspec_torch_ext_cuda" if with_cuda else "normspec_torch_ext_cpu"
+        if verbose:
+            print(
+                f"normspec: building {name} ({'CPU + CUDA' if with_cuda else 'CPU only'}) "
+                f"in {directory}",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=sources,
+                extra_cflags=CFLAGS,
+                extra_cuda_cflags=CUDA_CFLAGS,
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(directory),
+                verbose=verbose,
+                with_cuda=with_cuda,
+                is_python_module=False,
+            )
+        except Exception as exc:
+            _error = f"build failed: {type(exc).__name__}: {exc}"
+            raise RuntimeError(f"normspec torch_ext: {_error}") from exc
+        from . import _ops
+
+        _ops._register_python_parts()
+        path = str(directory / f"{name}.so")
+        _loaded = path
+        _error = None
+        return path
+
+
+def loaded() -> bool:
+    """Whether the extension is loaded in this process."""
+    return _loaded is not None
+
+
+def available(*, build_if_needed: bool = True) -> str | None:
+    """``None`` when the extension is usable here, else the reason why not.
+
+    With ``build_if_needed`` (the default) a missing build is compiled now
+    (quietly); otherwise only the prerequisites and an earlier failure are
+    checked.
+    """
+    if _loaded is not None:
+        return None
+    if _error is not None:
+        return _error
+    reason = _prerequisites()
+    if reason is not None or not build_if_needed:
+        return reason
+    try:
+        build(verbose=False)
+    except RuntimeError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,196 @@
+"""Python face of the normspec torch extension: validation, fake kernels, autograd."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from normspec.spec.validation import (
+    ACTIVATIONS,
+    GATED_CONVENTIONS,
+    RESIDUAL_SUMS,
+    check_choice,
+    check_eps,
+    check_input,
+    check_like,
+    check_offset,
+    check_weight,
+)
+
+from . import _build
+
+__all__ = ["fused_add_rms_norm", "rms_norm", "rms_norm_gated"]
+
+_registered = False
+
+
+def _ensure() -> None:
+    """Build/load the extension on first use (a no-op afterwards)."""
+    if not _build.loaded():
+        print(
+            "normspec: compiling the torch extension on first use (cached afterwards)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        _build.build(verbose=False)
+
+
+# ---- public operators ---------------------------------------------------------
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """RMSNorm, bitwise equal to [`normspec.spec.rms_norm`][normspec.spec.rms_norm.rms_norm].
+
+    Differentiable (the spec's declared backward), usable under ``torch.compile``
+    and CUDA graphs.
+    """
+    check_input("x", x)
+    check_weight(weight, x)
+    eps = check_eps(eps)
+    offset = check_offset(offset)
+    _ensure()
+    return torch.ops.normspec.rms_norm(x, weight, eps, offset)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    residual_sum: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm, bitwise equal to
+    [`normspec.spec.fused_add_rms_norm`][normspec.spec.fused_add.fused_add_rms_norm].
+
+    Returns ``(y, new_residual)``.
+    """
+    check_input("x", x)
+    check_like("residual", residual, x)
+    check_weight(weight, x)
+    eps = check_eps(eps)
+    offset = check_offset(offset)
+    residual_sum = check_choice("residual_sum", residual_sum, RESIDUAL_SUMS)
+    _ensure()
+    return torch.ops.normspec.fused_add_rms_norm(x, residual, weight, eps, offset, residual_sum)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    convention: str = "vllm",
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Gated RMSNorm, bitwise equal to
+    [`normspec.spec.rms_norm_gated`][normspec.spec.gated.rms_norm_gated].
+    """
+    check_input("x", x)
+    check_like("gate", gate, x)
+    check_weight(weight, x)
+    eps = check_eps(eps)
+    convention = check_choice("convention", convention, GATED_CONVENTIONS)
+    activation = check_choice("activation", activation, ACTIVATIONS)
+    _ensure()
+    return torch.ops.normspec.rms_norm_gated(x, gate, weight, eps, convention, activation)
+
+
+# ---- fake (meta) kernels: outputs are contiguous, like the real kernels' -------
+def _rows_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _fake_rms_norm(x, weight, eps, offset):
+    return _rows_like(x)
+
+
+def _fake_rms_norm_backward(dy, x, weight, eps, offset):
+    return _rows_like(x), weight.new_empty(weight.shape)
+
+
+def _fake_fused(x, residual, weight, eps, offset, residual_sum):
+    return _rows_like(x), _rows_like(x)
+
+
+def _fake_fused_backward(dy, dresidual_out, x, residual, weight, eps, offset, residual_sum):
+    return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
+
+
+def _fake_gated(x, gate, weight, eps, convention, activation):
+    return _rows_like(x)
+
+
+def _fake_gated_backward(dy, x, gate, weight, eps, convention, activation):
+    return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
+
+
+# ---- autograd: the spec's declared backward through the backward operators ------
+def _grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _setup_rms(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.offset = eps, offset
+
+
+def _backward_rms(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dweight = torch.ops.normspec.rms_norm_backward(
+        _grad(dy, x), x, weight, ctx.eps, ctx.offset
+    )
+    return dx, dweight, None, None
+
+
+def _setup_fused(ctx, inputs, output):
+    x, residual, weight, eps, offset, residual_sum = inputs
+    ctx.save_for_backward(x, residual, weight)
+    ctx.eps, ctx.offset, ctx.residual_sum = eps, offset, residual_sum
+
+
+def _backward_fused(ctx, dy, dresidual_out):
+    x, residual, weight = ctx.saved_tensors
+    dx, dresidual, dweight = torch.ops.normspec.fused_add_rms_norm_backward(
+        _grad(dy, x), _grad(dresidual_out, x), x, residual, weight,
+        ctx.eps, ctx.offset, ctx.residual_sum,
+    )
+    return dx, dresidual, dweight, None, None, None
+
+
+def _setup_gated(ctx, inputs, output):
+    x, gate, weight, eps, convention, activation = inputs
+    ctx.save_for_backward(x, gate, weight)
+    ctx.eps, ctx.convention, ctx.activation = eps, convention, activation
+
+
+def _backward_gated(ctx, dy):
+    x, gate, weight = ctx.saved_tensors
+    dx, dgate, dweight = torch.ops.normspec.rms_norm_gated_backward(
+        _grad(dy, x), x, gate, weight, ctx.eps, ctx.convention, ctx.activation
+    )
+    return dx, dgate, dweight, None, None, None
+
+
+def _register_python_parts() -> None:
+    """Fake kernels and autograd for the loaded operators (once per process)."""
+    global _registered
+    if _registered:
+        return
+    lib = torch.library
+    lib.register_fake("normspec::rms_norm", _fake_rms_norm)
+    lib.register_fake("normspec::rms_norm_backward", _fake_rms_norm_backward)
+    lib.register_fake("normspec::fused_add_rms_norm", _fake_fused)
+    lib.register_fake("normspec::fused_add_rms_norm_backward", _fake_fused_backward)
+    lib.register_fake("normspec::rms_norm_gated", _fake_gated)
+    lib.register_fake("normspec::rms_norm_gated_backward", _fake_gated_backward)
+    lib.register_autograd("normspec::rms_norm", _backward_rms, setup_context=_setup_rms)
+    lib.register_autograd(
+        "normspec::fused_add_rms_norm", _backward_fused, setup_context=_setup_fused
+    )
+    lib.register_autograd("normspec::rms_norm_gated", _backward_gated, setup_context=_setup_gated)
+    _registered = True

@@ -1,0 +1,154 @@
+"""The CUDA sources compile with this machine's nvcc for sm_90 (skipped without nvcc).
+
+The kernels and their launchers (``normspec_launch.cu``, torch-free, the file
+the CuPy backend shares through ``normspec_kernels.cuh``) are compiled to an
+object; the torch-facing ``normspec_cuda.cpp`` is compiled by the host
+compiler against torch's and CUDA's headers. A CUDA compile error therefore
+shows up here, on any machine with nvcc, before it reaches a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+NVCC = _nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+
+def test_kernel_sources_include_no_torch_header():
+    for name in ("normspec_kernels.cuh", "normspec_arith.h", "normspec_launch.h",
+                 "normspec_launch.cu"):
+        text = (CSRC / name).read_text()
+        includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', text)
+        bad = [i for i in includes if i.split("/")[0] in {"torch", "ATen", "c10"}]
+        assert not bad, f"{name} includes torch headers: {bad}"
+
+
+@needs_nvcc
+def test_kernels_compile_for_sm90(tmp_path):
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC",
+           "-I", str(CSRC), "-c", str(CSRC / "normspec_launch.cu"), "-o",
+           str(tmp_path / "normspec_launch.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert (tmp_path / "normspec_launch.o").stat().st_size > 0
+
+
+@needs_nvcc
+def test_torch_facing_cuda_source_compiles(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.utils import cpp_extension
+
+    homes = [os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME,
+             str(Path(NVCC).resolve().parents[1]), "/usr/local/cuda"]
+    cuda_include = next((Path(h) / "include" for h in homes
+                         if h and (Path(h) / "include" / "cuda_runtime.h").exists()), None)
+    if cuda_include is None:
+        pytest.skip("CUDA headers (cuda_runtime.h) not found")
+    includes = [*cpp_extension.include_paths(), str(cuda_include),
+                sysconfig.get_paths()["include"]]
+    # CPU builds of torch ship the c10/cuda headers without their generated macro header
+    stub = tmp_path / "stub"
+    macro = "c10/cuda/impl/cuda_cmake_macros.h"
+    if not any((Path(p) / macro).exists() for p in includes):
+        (stub / macro).parent.mkdir(parents=True)
+        (stub / macro).write_text("#pragma once\n")
+        includes.append(str(stub))
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no host compiler {cxx!r}")
+    cmd = [cxx, "-std=c++20", "-fPIC", "-O0", "-ffp-contract=off", "-fsyntax-only",
+           "-I", str(CSRC), *(f"-isystem{p}" for p in includes),
+           str(CSRC / "normspec_cuda.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    del torch
+
+
+# ---- NVRTC: the kernels header as the CuPy backend compiles it ----------------------------
+def _libnvrtc():
+    import ctypes
+    import ctypes.util
+    import glob
+
+    names = []
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        names.append(found)
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            names += sorted(glob.glob(str(Path(home) / "lib64" / "libnvrtc.so*")))
+    try:
+        import nvidia.cuda_nvrtc as wheel  # pip wheel nvidia-cuda-nvrtc
+
+        names += sorted(glob.glob(str(Path(wheel.__path__[0]) / "lib" / "libnvrtc.so*")))
+    except ImportError:
+        pass
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+NAME_EXPRESSIONS = [
+    f"normspec_fwd_kernel<{op}, {t}, {np}>" for op in (0, 1, 2)
+    for t in ("float", "__nv_bfloat16", "__half") for np in (1, 2, 4)
+] + [
+    f"normspec_bwd_kernel<{op}, {t}, 1>" for op in (0, 1, 2)
+    for t in ("float", "__nv_bfloat16", "__half")
+] + [
+    "normspec_fwd_stream_kernel<2, __nv_bfloat16>",
+    "normspec_bwd_stream_kernel<1, __half>",
+    "normspec_col_tree_kernel",
+]
+
+
+def test_kernels_compile_with_nvrtc():
+    import ctypes
+
+    lib = _libnvrtc()
+    if lib is None:
+        pytest.skip("libnvrtc not found")
+    cuda_includes = [str(Path(h) / "include") for h in
+                     (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h]
+    prog = ctypes.c_void_p()
+    src = b'#include "normspec_kernels.cuh"\n'
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"normspec.cu", 0, None, None) == 0
+    for expr in NAME_EXPRESSIONS:
+        assert lib.nvrtcAddNameExpression(prog, expr.encode()) == 0
+    opts = [b"--std=c++17", b"--gpu-architecture=compute_90", b"--fmad=true",
+            f"-I{CSRC}".encode(), *(f"-I{p}".encode() for p in cuda_includes)]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode(errors="replace")[-6000:]
+    for expr in NAME_EXPRESSIONS:
+        lowered = ctypes.c_char_p()
+        assert lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(lowered)) == 0
+        assert lowered.value
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -1,0 +1,182 @@
+"""The torch_ext backend's CUDA kernels are bitwise equal to the spec (computed on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _torch_ext_cases import (
+    DTYPE_PAIRS,
+    LAYOUTS,
+    VARIANTS,
+    assert_bits,
+    ext_backward,
+    ext_forward,
+    grad_names,
+    layout,
+    make_case,
+    spec_backward,
+    spec_forward,
+)
+
+pytestmark = pytest.mark.cuda
+
+te = pytest.importorskip("normspec.backends.torch_ext")
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    reason = te.cuda_build_possible()
+    if reason is not None:
+        pytest.skip(reason)
+    te.build(verbose=True)
+
+
+def _cuda(t: torch.Tensor, kind: str = "contiguous") -> torch.Tensor:
+    return layout(t, kind).cuda() if kind == "contiguous" else _on_cuda_layout(t, kind)
+
+
+def _on_cuda_layout(t, kind):
+    # build the layout on the GPU so that strides and storage offsets survive the copy
+    base = layout(t, kind)
+    storage = torch.empty(base.untyped_storage().size() // base.element_size(), dtype=t.dtype,
+                          device="cuda")
+    out = storage.as_strided(base.shape, base.stride(), base.storage_offset())
+    out.copy_(base)
+    return out
+
+
+def check_case(op, params, shape, dtype, wdtype, seed, *, specials=True, layouts=None,
+               grad_specials=False, eps=EPS, backward=True):
+    rows, weight, grads = make_case(op, params, shape, dtype, wdtype, seed, specials=specials,
+                                    grad_specials=grad_specials)
+    want = spec_forward(op, rows, weight, eps, params)
+    layouts = layouts or {}
+    crows = {k: _cuda(v, layouts.get(k, "contiguous")) for k, v in rows.items()}
+    cw = weight.cuda()
+    got = ext_forward(op, crows, cw, eps, params)
+    ctx = f"{op} {params} shape={tuple(shape)} {dtype}/{wdtype} seed={seed} layouts={layouts}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.device.type == "cuda"
+        assert_bits(g, w, f"CUDA forward output {i} of {ctx}")
+    if not backward:
+        return
+    want_g = spec_backward(op, grads, rows, weight, eps, params)
+    cgrads = [_cuda(g, layouts.get("grad", "contiguous")) for g in grads]
+    got_g = ext_backward(op, cgrads, crows, cw, eps, params)
+    for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+        assert_bits(g, w, f"CUDA {name} of {ctx}")
+
+
+SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
+          (2, 40000), (70, 256), (1, 5000)]
+
+
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("op,params", VARIANTS, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_every_variant_bitwise(op, params, dtype, wdtype):
+    for seed, shape in enumerate(SHAPES):
+        check_case(op, params, shape, dtype, wdtype, seed, specials=seed % 2 == 1)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("op,params", VARIANTS[::3])
+def test_layouts(op, params, kind):
+    for seed, shape in enumerate([(4, 3, 1003), (2, 5, 2048), (3, 2, 8)]):
+        for dtype, wdtype in DTYPE_PAIRS[:3]:
+            layouts = {"x": kind, "residual": kind, "gate": kind, "grad": kind}
+            check_case(op, params, shape, dtype, wdtype, seed, layouts=layouts)
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048), (2**16, 128), (64, 8192), (1000, 1),
+                                   (513, 1003), (300, 33000), (3, 70000)])
+@pytest.mark.parametrize("op,params", [VARIANTS[1], VARIANTS[4], VARIANTS[9]])
+def test_large_shapes(op, params, shape):
+    check_case(op, params, shape, torch.bfloat16, torch.float32, 1, specials=True)
+
+
+def test_many_rows_dweight_tree():
+    # many groups in the workspace tree, a non-power-of-two row count
+    check_case("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,
+               specials=False)
+
+
+def test_negative_zero_padding():
+    for hidden, rows in [(3, 3), (5, 6), (1, 3), (1003, 37)]:
+        x = torch.ones(rows, hidden)
+        w = torch.ones(hidden)
+        dy = torch.full((rows, hidden), -0.0)
+        from normspec import spec
+
+        want = spec.rms_norm_backward(dy, x, w, eps=EPS)
+        got = torch.ops.normspec.rms_norm_backward(dy.cuda(), x.cuda(), w.cuda(), EPS, 0.0)
+        for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
+            assert_bits(g, ww, name)
+
+
+def test_batch_invariance():
+    x = torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(2048, device="cuda")
+    full = te.rms_norm(x, w, eps=EPS)
+    for n in (1, 3, 17, 500):
+        assert_bits(te.rms_norm(x[:n], w, eps=EPS), full[:n], f"prefix {n}")
+
+
+def test_compile_and_cuda_graph():
+    torch._dynamo.reset()
+    x = torch.randn(64, 2048, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn_like(x)
+    z = torch.randn_like(x)
+    w = torch.randn(2048, device="cuda")
+
+    def block(x, r, z, w):
+        y, res = te.fused_add_rms_norm(x, r, w, eps=1e-6, offset=1.0)
+        return te.rms_norm_gated(y, z, w, eps=1e-6), res
+
+    eager = block(x, r, z, w)
+    compiled = torch.compile(block, fullgraph=True)
+    for g, e in zip(compiled(x, r, z, w), eager, strict=True):
+        assert_bits(g, e, "compiled")
+    reduce = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        outs = reduce(x, r, z, w)
+    for g, e in zip(outs, eager, strict=True):
+        assert_bits(g, e, "reduce-overhead")
+
+    # explicit CUDA graph capture, forward and backward
+    xs = x.clone().requires_grad_(True)
+    ws = w.clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            te.rms_norm(xs, ws, eps=EPS).float().sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    xs.grad = ws.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = te.rms_norm(xs, ws, eps=EPS)
+        y.float().sum().backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bits(y, te.rms_norm(x, w, eps=EPS), "graph forward")
+    from normspec import spec
+
+    want = spec.rms_norm_backward(torch.ones_like(x).cpu(), x.cpu(), w.cpu(), eps=EPS)
+    assert_bits(xs.grad, want[0], "graph dx")
+    assert_bits(ws.grad, want[1], "graph dweight")
+
+
+def test_opcheck_cuda():
+    ops = torch.ops.normspec
+    x = torch.randn(3, 40, device="cuda", requires_grad=True)
+    w = torch.randn(40, device="cuda", requires_grad=True)
+    torch.library.opcheck(ops.rms_norm, (x, w, 1e-6, 1.0))
+    torch.library.opcheck(ops.fused_add_rms_norm, (x, x.detach().clone().requires_grad_(), w,
+                                                   1e-6, 0.0, "rounded"))
+    torch.library.opcheck(ops.rms_norm_gated, (x, x.detach().clone().requires_grad_(), w, 1e-6,
+                                               "hf", "sigmoid"))
