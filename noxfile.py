@@ -83,7 +83,7 @@ def adapters_vllm(session: nox.Session) -> None:
 @nox.session(name="conformance-cuda", venv_backend="none")
 def conformance_cuda(session: nox.Session) -> None:
     """Every available backend against the spec on CUDA, in the caller's environment."""
-    session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+    session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                 "-e", ".")
     session.run("normspec", "list")
     session.run("normspec", "conformance", "--device", "cuda", *session.posargs)
@@ -92,9 +92,9 @@ def conformance_cuda(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Time our kernels against their peers on the GPU; JSON under bench/results/."""
-    session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+    session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                 "-e", ".")
-    session.run("python", "bench/run.py", *session.posargs)
+    session.run("python3", "bench/run.py", *session.posargs)
 
 
 @nox.session(venv_backend="none")

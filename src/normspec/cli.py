@@ -65,7 +65,8 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     device = args.device or default_device()
     reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
-                              ops=args.op, seeds=args.seeds, out_dir=Path(args.out),
+                              ops=args.op, profiles=args.profile, seeds=args.seeds,
+                              out_dir=Path(args.out),
                               command=_command(), console=console)
     console.print(summary_table(reports))
     console.print(f"reports written under {args.out}/")
@@ -111,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--quick", action="store_true")
     k.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
     k.add_argument("--op", action="append", choices=sorted(OPS), help="restrict to these ops")
+    k.add_argument("--profile", action="append", choices=sorted(PROFILES),
+                   help="restrict to these profiles (default: every profile of the device)")
     k.add_argument("--seeds", type=int, default=None)
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
     add_compare_parser(sub)

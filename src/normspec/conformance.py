@@ -54,6 +54,9 @@ def run_conformance(
     """
     console = console or Console(stderr=True)
     chosen_profiles = ([PROFILES[p] for p in profiles] if profiles else profiles_for(device))
+    wrong = [p.name for p in chosen_profiles if p.device != device]
+    if wrong:
+        raise ValueError(f"profile: {wrong} do not run on device {device!r}")
     chosen_ops = list(ops or OPS)
     entries = registry.entries()
     names = list(backends) if backends else sorted(entries)

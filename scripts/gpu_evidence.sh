@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Produce the GPU evidence committed in this repository: CUDA tests, the CUDA
+# conformance reports (reports/cuda_*/), divergence matrices (reports/compare/)
+# and benchmarks (bench/results/). Run on a CUDA machine from the repo root,
+# after installing nox, fla-core, liger-kernel and megatron-core (on the lent
+# H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
+#
+#   scripts/gpu_evidence.sh [tests] [conformance] [compare] [bench]   (default: all)
+#
+# Each stage has a time limit so that a slow stage cannot eat the others; logs
+# and a tarball of the results go to $OUT (default: ./gpu-evidence).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-evidence}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} COLUMNS=200
+stages=${*:-tests conformance compare bench}
+run() {  # run LIMIT NAME CMD...: time-limited stage with its log
+  local limit=$1 name=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/summary.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
+  tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
+run 240 build normspec build
+for s in $stages; do
+  case $s in
+    tests)
+      run 200 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests ;;
+    conformance)
+      for p in cuda_bf16 cuda_fp16 cuda_fp32; do
+        run 420 "conformance-$p" python3 -m nox -s conformance-cuda -- --profile "$p"
+      done ;;
+    compare)
+      for op in rms_norm fused_add_rms_norm rms_norm_gated; do
+        run 120 "compare-$op" normspec compare --op "$op" --profile cuda_bf16 \
+          --json "reports/compare/$op-cuda_bf16.json" --png "reports/compare/$op-cuda_bf16.png"
+      done ;;
+    sweep)
+      run 240 geometry-sweep python3 bench/geometry_sweep.py ;;
+    bench)
+      run 400 bench python3 -m nox -s bench ;;
+  esac
+done
+tar czf "$OUT/evidence.tgz" reports bench/results 2>/dev/null
+cat "$OUT/summary.log"
