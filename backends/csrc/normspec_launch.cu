@@ -2,9 +2,21 @@
 // Geometry: a team of `threads` threads (a power of two, 32..1024) handles a
 // row; rows whose padded length fits in registers use the register kernels
 // with NP passes, longer rows the streaming kernels.
+//
+// Tuning override (read once per process, at the first launch or plan):
+//   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 32..1024)
+//   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 32..256: the backward kernel's bound)
+// replace the team size of the register kernels; NP is then the smallest of
+// 1, 2, 4 with NP * threads * VEC >= H, and where none fits the default
+// geometry (possibly the streaming kernel) is kept. Every geometry gives the
+// same bits (the reductions follow the spec's tree by index). Invalid values
+// are ignored with one warning on stderr.
 #include <cuda_runtime.h>
 
+#include <cerrno>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #include "normspec_kernels.cuh"
 #include "normspec_launch.h"
@@ -19,7 +31,7 @@ struct Geometry {
 
 int vec_of(int dtype) { return dtype == DT_F32 ? 4 : 8; }
 
-Geometry geometry(long long H, int vec) {
+Geometry default_geometry(long long H, int vec) {
   const long long nvec = (H + vec - 1) / vec;
   if (nvec <= 32) return {32, 1};
   if (nvec <= 1024) return {static_cast<int>(next_pow2(nvec)), 1};
@@ -30,13 +42,59 @@ Geometry geometry(long long H, int vec) {
 
 // The backward keeps more per element (dxhat, the dweight stacks): teams of
 // at most 256 threads.
-Geometry backward_geometry(long long H, int vec) {
+Geometry default_backward_geometry(long long H, int vec) {
   const long long nvec = (H + vec - 1) / vec;
   if (nvec <= 32) return {32, 1};
   if (nvec <= 256) return {static_cast<int>(next_pow2(nvec)), 1};
   if (nvec <= 512) return {256, 2};
   if (nvec <= 1024) return {256, 4};
   return {1024, 0};
+}
+
+// The team size in environment variable `name` (0 = unset or invalid).
+int team_from_env(const char* name, int max_threads) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s, &end, 10);
+  if (errno == 0 && end != s && *end == '\0' && v >= 32 && v <= max_threads &&
+      (v & (v - 1)) == 0)
+    return static_cast<int>(v);
+  std::fprintf(stderr,
+               "normspec: ignoring %s=%s (expected a power of two in 32..%d); "
+               "using the default geometry\n",
+               name, s, max_threads);
+  return 0;
+}
+
+int forward_team_override() {
+  static const int threads = team_from_env("NORMSPEC_FWD_TEAM", 1024);
+  return threads;
+}
+
+int backward_team_override() {
+  static const int threads = team_from_env("NORMSPEC_BWD_TEAM", 256);
+  return threads;
+}
+
+// `threads` per team with the fewest passes (1, 2 or 4) that cover H; `fallback`
+// when there is no override or no pass count fits.
+Geometry with_team(int threads, long long H, int vec, Geometry fallback) {
+  if (threads <= 0) return fallback;
+  for (int np = 1; np <= 4; np *= 2)
+    if (static_cast<long long>(np) * threads * vec >= H) return {threads, np};
+  return fallback;
+}
+
+Geometry geometry(long long H, int vec) {
+  return with_team(forward_team_override(), H, vec, default_geometry(H, vec));
+}
+
+// backward_plan and the launch both use this (the plan's glog bound and
+// blocks per SM follow the team).
+Geometry backward_geometry(long long H, int vec) {
+  return with_team(backward_team_override(), H, vec, default_backward_geometry(H, vec));
 }
 
 int max_group_log(int np) {
