@@ -35,7 +35,7 @@ def _cuda_visible() -> bool:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite on the CPU (CUDA tests are skipped without a GPU)."""
-    _install_cpu(session)
+    _install_cpu(session, extras="test,nvrtc")
     session.install("--no-deps", EXAMPLE_PLUGIN)
     session.run("pytest", *(session.posargs or ["-q"]))
 

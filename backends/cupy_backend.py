@@ -1,0 +1,1042 @@
+"""``normspec.backends.cupy_backend``: the first-party CUDA kernels through CuPy and NVRTC.
+
+The kernels are the torch extension's own: ``backends/csrc/normspec_kernels.cuh``
+(shipped as package data) is compiled as it is by NVRTC, lazily, one module per
+(operator, dtype) holding every template instantiation that module launches,
+cached on disk (next to CuPy's kernel cache) and memoised per process and
+device. The host launch logic of ``normspec_launch.cu`` is mirrored in Python.
+
+Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
+
+* [`rms_norm`][normspec.backends.cupy_backend.rms_norm]`(x, weight, *, eps, offset=0.0)`
+* [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]`(x, residual,
+  weight, *, eps, offset=0.0, residual_sum="fp32") -> (y, new_residual)`
+* [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]`(x, gate, weight, *,
+  eps, convention="vllm", activation="silu")`
+* the explicit backward functions ``rms_norm_backward``, ``fused_add_rms_norm_backward``,
+  ``rms_norm_gated_backward`` (same arguments and results as the torch extension's
+  ``torch.ops.normspec.*_backward``)
+* [`available`][normspec.backends.cupy_backend.available]`() -> str | None`
+
+torch tensors enter zero-copy through DLPack (``cupy.from_dlpack``); outputs are
+allocated by torch (its caching allocator) and written in place through their
+DLPack views, so they come back as torch tensors; kernels run on torch's current
+stream (a ``cupy.cuda.ExternalStream``), and gradients flow through a
+``torch.autograd.Function`` that calls the backward kernels. CuPy arrays run on
+CuPy's current stream and come back as CuPy arrays.
+
+Why not ``cupy.RawModule(code=...)``: CuPy's compile path appends ``-ftz=true`` after
+the caller's options (``cupy/cuda/compiler.py``, ``_compile_with_cache_cuda``), and
+NVRTC lets the last ``-ftz`` win: the kernels' ``__fadd_rn``/``__fmul_rn`` would
+flush subnormals (206 ``.ftz`` instructions in the PTX of three kernels) and the
+results would no longer be the spec's bits. So this module drives NVRTC itself
+(``cupy.cuda.nvrtc``, with the torch extension's IEEE flags) and loads the cubin
+with ``cupy.RawModule(path=...)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normspec.registry import Backend, OpSupport
+from normspec.spec.validation import (
+    ACTIVATIONS,
+    GATED_CONVENTIONS,
+    RESIDUAL_SUMS,
+    check_choice,
+    check_eps,
+    check_input,
+    check_like,
+    check_offset,
+    check_weight,
+)
+
+__all__ = [
+    "CSRC",
+    "NVRTC_OPTIONS",
+    "CupyBackend",
+    "available",
+    "backend",
+    "backward_geometry",
+    "backward_plan",
+    "col_tree_rows_out",
+    "compile_kernels",
+    "cupy_stream_of",
+    "forward_geometry",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_backward",
+    "name_expressions",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_gated",
+    "rms_norm_gated_backward",
+]
+
+#: The directory of the CUDA sources (package data shared with the torch extension).
+CSRC = Path(__file__).resolve().parent / "csrc"
+KERNELS = "normspec_kernels.cuh"
+#: Files whose contents key the compile cache.
+_SOURCES = ("normspec_kernels.cuh", "normspec_arith.h")
+
+#: NVRTC options: the IEEE settings of the torch extension's nvcc build
+#: (``backends/torch_ext/_build.py``: -fmad=false --ftz=false --prec-div=true
+#: --prec-sqrt=true, no fast math). The include paths and ``-arch`` are added per call.
+NVRTC_OPTIONS = (
+    "-std=c++17",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+)
+
+# ---- constants of normspec_arith.h / normspec_launch.h --------------------------------
+OP_RMS, OP_FUSED, OP_GATED = 0, 1, 2
+OP_CODES = {"rms_norm": OP_RMS, "fused_add_rms_norm": OP_FUSED, "rms_norm_gated": OP_GATED}
+F_OFFSET, F_ROUNDED, F_HF, F_SIGMOID, F_W_IS_INPUT, F_ALIGNED = 1, 2, 4, 8, 16, 32
+DT_F32, DT_BF16, DT_F16 = 0, 1, 2
+#: Kernel template argument T of each dtype code.
+CUDA_TYPES = {DT_F32: "float", DT_BF16: "__nv_bfloat16", DT_F16: "__half"}
+_TORCH_DT = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT_F16}
+_CUPY_DT = {"float32": DT_F32, "bfloat16": DT_BF16, "float16": DT_F16}
+_DT_NAMES = {DT_F32: "float32", DT_BF16: "bfloat16", DT_F16: "float16"}
+_NPS = (1, 2, 4)
+
+
+# ---- the host launch logic of normspec_launch.cu, in Python ---------------------------
+# By the design any valid geometry gives the same bits (every partial sum is the
+# tree of an aligned power-of-two segment, whatever the team size), so these
+# functions mirror the C++ defaults for like-for-like benchmarks but need not
+# follow later tuning of the C++ launcher. tests/test_cupy_nvrtc.py compares
+# them with the C++ functions compiled on the host.
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``), as ``normspec::next_pow2``."""
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+def vec_of(dtype_code: int) -> int:
+    """Elements per 16-byte vector (``VecOf<T>``)."""
+    return 4 if dtype_code == DT_F32 else 8
+
+
+def forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
+    """``(threads per team, NP)`` of the forward; ``NP == 0`` means the streaming kernel."""
+    nvec = (hidden + vec - 1) // vec
+    if nvec <= 32:
+        return 32, 1
+    if nvec <= 1024:
+        return next_pow2(nvec), 1
+    if nvec <= 2048:
+        return 1024, 2
+    if nvec <= 4096:
+        return 1024, 4
+    return 1024, 0
+
+
+def backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
+    """``(threads per team, NP)`` of the backward (teams of at most 256 threads)."""
+    nvec = (hidden + vec - 1) // vec
+    if nvec <= 32:
+        return 32, 1
+    if nvec <= 256:
+        return next_pow2(nvec), 1
+    if nvec <= 512:
+        return 256, 2
+    if nvec <= 1024:
+        return 256, 4
+    return 1024, 0
+
+
+def max_group_log(np_: int) -> int:
+    """``MaxGroupLog<NP>``: the largest dweight group (log2) a team holds in registers."""
+    return {1: 5, 2: 3, 4: 1}.get(np_, 0)
+
+
+def grid_for(units: int, per_block: int) -> int:
+    """Blocks for ``units`` teams, ``per_block`` teams a block (1 .. 2**30)."""
+    blocks = (units + per_block - 1) // per_block
+    return int(min(max(blocks, 1), 1 << 30))
+
+
+def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> tuple[int, int]:
+    """``(glog, groups)``: each backward team reduces groups of ``2**glog`` rows and the
+    workspace has ``groups`` fp32 rows of ``hidden`` (``normspec::backward_plan``)."""
+    threads, np_ = backward_geometry(hidden, vec_of(dtype_code))
+    glog = 0
+    if np_ > 0:
+        per_sm = max(2048 // threads, 1)
+        target = sm_count * per_sm
+        prow = next_pow2(rows)
+        ml = max_group_log(np_)
+        while glog < ml and (1 << (glog + 1)) <= prow:
+            r = 1 << (glog + 1)
+            if (rows + r - 1) // r < target:
+                break
+            glog += 1
+    r = 1 << glog
+    return glog, (rows + r - 1) // r
+
+
+def col_tree_rows_out(groups: int) -> int:
+    """Rows left after one level of the workspace row tree (16 at a time)."""
+    c = min(next_pow2(groups), 16)
+    return (groups + c - 1) // c
+
+
+def col_tree_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int, int, int]]:
+    """``(rows out, clog, grid)`` of one ``normspec_col_tree_kernel`` launch (block 256)."""
+    c = min(next_pow2(groups), 16)
+    clog = c.bit_length() - 1
+    gout = (groups + c - 1) // c
+    return gout, clog, (grid_for(hidden, 256), min(gout, 65535), 1)
+
+
+def forward_launch(op: int, dtype_code: int, rows: int, hidden: int
+                   ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    """``(kernel name expression, grid, block)`` of the forward."""
+    threads, np_ = forward_geometry(hidden, vec_of(dtype_code))
+    t = CUDA_TYPES[dtype_code]
+    if np_ == 0:
+        return f"normspec_fwd_stream_kernel<{op}, {t}>", (grid_for(rows, 1), 1, 1), (1024, 1, 1)
+    tpb = 4 if threads == 32 else 1
+    return (f"normspec_fwd_kernel<{op}, {t}, {np_}>", (grid_for(rows, tpb), 1, 1),
+            (threads, tpb, 1))
+
+
+def backward_launch(op: int, dtype_code: int, rows: int, hidden: int, groups: int
+                    ) -> tuple[str, tuple[int, int, int], tuple[int, int, int], bool]:
+    """``(kernel name expression, grid, block, takes glog)`` of the backward."""
+    threads, np_ = backward_geometry(hidden, vec_of(dtype_code))
+    t = CUDA_TYPES[dtype_code]
+    if np_ == 0:
+        return (f"normspec_bwd_stream_kernel<{op}, {t}>", (grid_for(rows, 1), 1, 1),
+                (1024, 1, 1), False)
+    tpb = 4 if threads == 32 else 1
+    return (f"normspec_bwd_kernel<{op}, {t}, {np_}>", (grid_for(groups, tpb), 1, 1),
+            (threads, tpb, 1), True)
+
+
+def name_expressions(op: int, dtype_code: int) -> list[str]:
+    """Every instantiation one (op, dtype) module holds (all the launchers can pick)."""
+    t = CUDA_TYPES[dtype_code]
+    return [
+        *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
+        f"normspec_fwd_stream_kernel<{op}, {t}>",
+        *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
+        f"normspec_bwd_stream_kernel<{op}, {t}>",
+        "normspec_col_tree_kernel",
+    ]
+
+
+@dataclass(frozen=True)
+class _Args:
+    """``normspec::LaunchArgs``: pointers (0 = nullptr), strides in elements."""
+
+    x: int = 0
+    r: int = 0
+    dy: int = 0
+    dres: int = 0
+    y: int = 0
+    y2: int = 0
+    w: int = 0
+    rows: int = 0
+    H: int = 0
+    sx: int = 0
+    sr: int = 0
+    sdy: int = 0
+    sdres: int = 0
+    sy: int = 0
+    sy2: int = 0
+    eps: float = 0.0
+    offset: float = 0.0
+    flags: int = 0
+
+
+def _rows_aligned(ptr: int, stride: int, esize: int) -> bool:
+    return ptr == 0 or (ptr % 16 == 0 and (stride * esize) % 16 == 0)
+
+
+def with_alignment(a: _Args, esize: int) -> _Args:
+    """Set ``F_ALIGNED`` when every row pointer allows 16-byte vector access
+    (``set_alignment`` of normspec_launch.cu)."""
+    ok = (_rows_aligned(a.x, a.sx, esize) and _rows_aligned(a.r, a.sr, esize)
+          and _rows_aligned(a.dy, a.sdy, esize) and _rows_aligned(a.dres, a.sdres, esize)
+          and _rows_aligned(a.y, a.sy, esize) and _rows_aligned(a.y2, a.sy2, esize)
+          and (a.w == 0 or a.w % 16 == 0))
+    return replace(a, flags=a.flags | F_ALIGNED) if ok else a
+
+
+def _collapsible_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """Row stride (elements) when the leading dims collapse into one (``collapsible_rows``
+    of normspec_host.h); ``None`` otherwise. Negative strides are refused (a copy is taken)."""
+    hidden = shape[-1]
+    if hidden != 1 and strides[-1] != 1:
+        return None
+    rs: int | None = None
+    expect = 0
+    for d in range(len(shape) - 2, -1, -1):
+        if shape[d] == 1:
+            continue
+        if strides[d] < 0:
+            return None
+        if rs is None:
+            rs = strides[d]
+        elif strides[d] != expect:
+            return None
+        expect = strides[d] * shape[d]
+    return hidden if rs is None else rs
+
+
+# ---- CuPy: import, NVRTC, modules ---------------------------------------------------
+_lock = threading.RLock()
+_modules: dict[tuple[int, int, int], tuple[Any, dict[str, str]]] = {}
+_functions: dict[tuple[int, int, int, str], Any] = {}
+_sm_counts: dict[int, int] = {}
+_compile_error: str | None = None
+
+
+class NVRTCCompileError(RuntimeError):
+    """NVRTC rejected the kernel sources; the message holds the first lines of its log."""
+
+
+def _import_cupy() -> tuple[Any, str | None]:
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, (f"CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x): "
+                      f"{exc}")
+    except Exception as exc:  # a broken CUDA install can fail at import
+        return None, f"CuPy failed to import: {type(exc).__name__}: {exc}"
+    return cupy, None
+
+
+def _cupy() -> Any:
+    cp, reason = _import_cupy()
+    if reason is not None:
+        raise RuntimeError(f"normspec cupy backend: {reason}")
+    return cp
+
+
+def sources_digest() -> str:
+    """sha256 over the kernel sources: part of the cache key (NVRTC's own includes are
+    not hashed by anyone else)."""
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()
+
+
+def source_text() -> str:
+    """The NVRTC program: the shared header as it is (the digest line keys caches)."""
+    return f"// normspec sources sha256 {sources_digest()}\n#include \"{KERNELS}\"\n"
+
+
+def cuda_include_dir() -> str | None:
+    """A directory holding ``cuda_bf16.h`` / ``cuda_fp16.h`` for NVRTC, or ``None``."""
+    candidates = []
+    cp, _ = _import_cupy()
+    if cp is not None:
+        try:
+            path = cp.cuda.get_cuda_path()
+        except Exception:
+            path = None
+        if path:
+            candidates.append(Path(path) / "include")
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for c in candidates:
+        if (c / "cuda_bf16.h").exists():
+            return str(c)
+    return None
+
+
+def compile_options(arch_flag: str) -> tuple[str, ...]:
+    """Full NVRTC options for ``arch_flag`` (``-arch=sm_90`` or ``-arch=compute_90``)."""
+    inc = [f"-I{CSRC}"]
+    cuda_inc = cuda_include_dir()
+    if cuda_inc:
+        inc.append(f"-I{cuda_inc}")
+    return (*NVRTC_OPTIONS, *inc, arch_flag)
+
+
+def compile_kernels(names: Sequence[str], arch: str) -> tuple[bytes, dict[str, str], str]:
+    """Compile the sources with NVRTC for ``arch`` (``"sm_90"`` gives a cubin,
+    ``"compute_90"`` PTX); returns ``(image, {name expression: lowered name}, log)``.
+
+    Needs CuPy and NVRTC only, no GPU. Raises
+    [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError].
+    """
+    cp = _cupy()
+    nvrtc = cp.cuda.nvrtc
+    options = compile_options(f"-arch={arch}")
+    prog = nvrtc.createProgram(source_text(), "normspec_cupy.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            head = "\n".join(log.strip().splitlines()[:12])
+            raise NVRTCCompileError(f"NVRTC compile failed ({exc}):\n{head}") from exc
+        log = nvrtc.getProgramLog(prog)
+        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        if isinstance(image, str):
+            image = image.encode()
+        mapping = {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return image, mapping, log
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("NORMSPEC_CUPY_CACHE_DIR"):
+        return Path(os.environ["NORMSPEC_CUPY_CACHE_DIR"])
+    base = os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache"
+    return Path(base) / "normspec"
+
+
+def _device_arch(cp: Any, dev: int) -> str:
+    """``sm_XX`` when NVRTC targets the device directly, else PTX of the nearest lower arch."""
+    cc = int(cp.cuda.Device(dev).compute_capability)
+    supported = sorted(int(a) for a in cp.cuda.nvrtc.getSupportedArchs())
+    if cc in supported:
+        return f"sm_{cc}"
+    lower = [a for a in supported if a <= cc] or supported[:1]
+    return f"compute_{lower[-1]}"
+
+
+def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
+    """The loaded module of (op, dtype) on device ``dev`` and its name mapping."""
+    global _compile_error
+    key = (dev, op, dt)
+    with _lock:
+        hit = _modules.get(key)
+        if hit is not None:
+            return hit
+        cp = _cupy()
+        with cp.cuda.Device(dev):
+            arch = _device_arch(cp, dev)
+            names = name_expressions(op, dt)
+            ident = json.dumps([source_text(), compile_options(f"-arch={arch}"), arch,
+                                list(cp.cuda.nvrtc.getVersion()), names])
+            digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
+            cache = _cache_dir()
+            image_path = cache / f"{digest}.{'cubin' if arch.startswith('sm_') else 'ptx'}"
+            map_path = cache / f"{digest}.json"
+            mapping = None
+            if image_path.exists() and map_path.exists():
+                try:
+                    mapping = json.loads(map_path.read_text())
+                except (OSError, ValueError):
+                    mapping = None
+            if mapping is None or set(mapping) != set(names):
+                try:
+                    image, mapping, _ = compile_kernels(names, arch)
+                except NVRTCCompileError as exc:
+                    _compile_error = str(exc)
+                    raise
+                cache.mkdir(parents=True, exist_ok=True)
+                _atomic_write(image_path, image)
+                _atomic_write(map_path, json.dumps(mapping).encode())
+            module = cp.RawModule(path=str(image_path))
+            _modules[key] = (module, mapping)
+            return _modules[key]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _kernel(dev: int, op: int, dt: int, name: str) -> Any:
+    key = (dev, op, dt, name)
+    fn = _functions.get(key)
+    if fn is None:
+        module, mapping = _module(dev, op, dt)
+        with _lock:
+            fn = _functions[key] = module.get_function(mapping[name])
+    return fn
+
+
+def _sm_count(cp: Any, dev: int) -> int:
+    n = _sm_counts.get(dev)
+    if n is None:
+        props = cp.cuda.runtime.getDeviceProperties(dev)
+        n = _sm_counts[dev] = max(int(props["multiProcessorCount"]), 1)
+    return n
+
+
+def available(*, compile: bool = True) -> str | None:
+    """``None`` when the backend can run here, else why not (CuPy missing, no GPU,
+    NVRTC failure with the first lines of its log). With ``compile`` (the default)
+    every module is compiled now for device 0 (cached on disk afterwards)."""
+    cp, reason = _import_cupy()
+    if reason is not None:
+        return reason
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no CUDA GPU usable by CuPy ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return "no CUDA GPU visible to CuPy"
+    if _compile_error is not None:
+        return _compile_error
+    if compile:
+        try:
+            for op in (OP_RMS, OP_FUSED, OP_GATED):
+                for dt in (DT_F32, DT_BF16, DT_F16):
+                    _module(0, op, dt)
+        except NVRTCCompileError as exc:
+            return str(exc)
+        except Exception as exc:
+            return f"loading the NVRTC module failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+# ---- the two kinds of input -------------------------------------------------------
+_RAW_TORCH = {4: torch.int32, 2: torch.int16}
+
+
+def _is_cupy_array(obj: object) -> bool:
+    t = type(obj)
+    return t.__name__ == "ndarray" and t.__module__.split(".")[0] == "cupy"
+
+
+def _kind(name: str, obj: object) -> str:
+    """``"torch"`` or ``"cupy"``; anything else is refused with the argument's name."""
+    if isinstance(obj, torch.Tensor):
+        return "torch"
+    if _is_cupy_array(obj):
+        return "cupy"
+    t = type(obj)
+    if t.__name__ == "ndarray" and t.__module__.split(".")[0] == "numpy":
+        raise TypeError(
+            f"{name}: expected a CUDA torch.Tensor or a CuPy array, got a numpy.ndarray "
+            "(host memory; move it to the GPU with cupy.asarray or torch.as_tensor(..., "
+            "device='cuda'))"
+        )
+    raise TypeError(
+        f"{name}: expected a CUDA torch.Tensor or a CuPy array, got {t.__module__}.{t.__name__}"
+    )
+
+
+def _check_torch_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(
+            f"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on {x.device} "
+            "(the cupy backend runs on CUDA GPUs only)"
+        )
+
+
+def _cp_dtype_code(a: Any) -> int | None:
+    return _CUPY_DT.get(a.dtype.name)
+
+
+def _cp_check_input(name: str, a: Any) -> None:
+    if _cp_dtype_code(a) is None:
+        raise TypeError(
+            f"{name}: expected dtype in (float32, bfloat16, float16), got {a.dtype.name}"
+        )
+    if a.ndim < 1 or a.shape[-1] < 1:
+        raise ValueError(f"{name}: expected shape (..., H) with H >= 1, got {tuple(a.shape)}")
+
+
+def _cp_device(a: Any) -> str:
+    return f"cuda:{a.device.id}"
+
+
+def _cp_check_like(name: str, t: object, x: Any) -> None:
+    if not _is_cupy_array(t):
+        raise TypeError(
+            f"{name}: expected a CuPy array (like x), got {type(t).__module__}."
+            f"{type(t).__name__}"
+        )
+    if tuple(t.shape) != tuple(x.shape):
+        raise ValueError(
+            f"{name}: expected the shape of x, {tuple(x.shape)}, got {tuple(t.shape)}"
+        )
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name}: expected the dtype of x, {x.dtype.name}, got {t.dtype.name}")
+    if t.device.id != x.device.id:
+        raise ValueError(
+            f"{name}: expected the device of x, {_cp_device(x)}, got {_cp_device(t)}"
+        )
+
+
+def _cp_check_weight(w: object, x: Any) -> None:
+    if not _is_cupy_array(w):
+        raise TypeError(
+            f"weight: expected a CuPy array (like x), got {type(w).__module__}."
+            f"{type(w).__name__}"
+        )
+    hidden = x.shape[-1]
+    if w.ndim != 1 or w.shape[0] != hidden:
+        raise ValueError(
+            f"weight: expected shape ({hidden},) to match x's last dimension, "
+            f"got {tuple(w.shape)}"
+        )
+    if w.dtype.name not in ("float32", x.dtype.name):
+        raise TypeError(
+            f"weight: expected dtype float32 or x's dtype ({x.dtype.name}), got {w.dtype.name}"
+        )
+    if w.device.id != x.device.id:
+        raise ValueError(f"weight: expected the device of x, {_cp_device(x)}, got {_cp_device(w)}")
+
+
+def _validate(rows: Mapping[str, object], weight: object) -> str:
+    """Check the row inputs (``x`` first) and the weight; returns the input kind."""
+    names = list(rows)
+    x = rows[names[0]]
+    kind = _kind("x", x)
+    if kind == "torch":
+        check_input("x", x)
+        for n in names[1:]:
+            check_like(n, rows[n], x)
+        check_weight(weight, x)
+    else:
+        _cp_check_input("x", x)
+        for n in names[1:]:
+            _cp_check_like(n, rows[n], x)
+        _cp_check_weight(weight, x)
+    return kind
+
+
+class _Side:
+    """What differs between torch and CuPy inputs: views, allocation, stream, results."""
+
+    def __init__(self, cp: Any, dev: int) -> None:
+        self.cp, self.dev = cp, dev
+
+    def raw(self, a: Any) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _TorchSide(_Side):
+    def __init__(self, cp: Any, x: torch.Tensor) -> None:
+        super().__init__(cp, x.device.index if x.device.index is not None
+                         else torch.cuda.current_device())
+        self.device = torch.device("cuda", self.dev)
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        cp = self.cp
+        with cp.cuda.Device(self.dev):
+            with cupy_stream_of(cp, torch.cuda.current_stream(self.device), self.dev):
+                yield
+
+    def raw(self, t: torch.Tensor) -> Any:
+        """A zero-copy CuPy view of ``t``'s bits (DLPack; integer dtype of the same width)."""
+        return self.cp.from_dlpack(t.detach().view(_RAW_TORCH[t.element_size()]))
+
+    def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+        return out, self.raw(out)
+
+    def empty_f32(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:
+        out = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return out, self.cp.from_dlpack(out)
+
+    def weight_f32(self, w: torch.Tensor, dt: int) -> Any:
+        return self.cp.from_dlpack(w.detach().to(torch.float32).contiguous())
+
+    def dweight(self, ws: torch.Tensor, hidden: int, weight: torch.Tensor) -> torch.Tensor:
+        return ws.view(hidden).to(weight.dtype)
+
+    def zeros_like(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(weight)
+
+
+class _CupySide(_Side):
+    def __init__(self, cp: Any, x: Any) -> None:
+        super().__init__(cp, x.device.id)
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        with self.cp.cuda.Device(self.dev):
+            yield
+
+    def raw(self, a: Any) -> Any:
+        return a.view(self.cp.uint32 if a.itemsize == 4 else self.cp.uint16)
+
+    def empty_rows(self, x: Any) -> tuple[Any, Any]:
+        out = self.cp.empty(x.shape, dtype=x.dtype)
+        return out, self.raw(out)
+
+    def empty_f32(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        out = self.cp.empty(shape, dtype=self.cp.float32)
+        return out, out
+
+    def weight_f32(self, w: Any, dt: int) -> Any:
+        cp = self.cp
+        code = _cp_dtype_code(w)
+        if code == DT_BF16:  # exact: bf16 bits are the top half of the fp32 bits
+            bits = cp.ascontiguousarray(w.view(cp.uint16)).astype(cp.uint32)
+            return (bits << 16).view(cp.float32)
+        return cp.ascontiguousarray(w.astype(cp.float32, copy=False))
+
+    def dweight(self, ws: Any, hidden: int, weight: Any) -> Any:
+        cp = self.cp
+        f = ws.reshape(hidden)
+        code = _cp_dtype_code(weight)
+        if code == DT_F32:
+            return f
+        if code == DT_F16:
+            return f.astype(weight.dtype)
+        # fp32 -> bf16, round to nearest even, NaN -> 0x7FC0 (as torch/c10 does)
+        u = f.view(cp.uint32)
+        rounded = (u + (cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1)))) >> 16
+        bits = cp.where(cp.isnan(f), cp.uint32(0x7FC0), rounded).astype(cp.uint16)
+        return bits.view(weight.dtype)
+
+    def zeros_like(self, weight: Any) -> Any:
+        return self.cp.zeros_like(weight)
+
+
+def cupy_stream_of(cp: Any, stream: torch.cuda.Stream, dev: int) -> Any:
+    """A CuPy stream object for a torch CUDA stream (the same CUDA stream, not a new one)."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cp.cuda.ExternalStream(stream.cuda_stream, dev)
+
+
+def _side(kind: str, x: Any) -> _TorchSide | _CupySide:
+    cp = _cupy()
+    return _TorchSide(cp, x) if kind == "torch" else _CupySide(cp, x)
+
+
+def _dtype_code(kind: str, x: Any) -> int:
+    return _TORCH_DT[x.dtype] if kind == "torch" else _CUPY_DT[x.dtype.name]
+
+
+def _row_view(cp: Any, a: Any) -> tuple[Any, int]:
+    """``(array read, row stride in elements)``; a contiguous (bitwise) copy when the
+    rows do not collapse into one stride."""
+    item = a.itemsize
+    rs = None
+    if all(s % item == 0 for s in a.strides):
+        rs = _collapsible_stride(a.shape, [s // item for s in a.strides])
+    if rs is None:
+        a = cp.ascontiguousarray(a)
+        rs = a.shape[-1]
+    return a, rs
+
+
+def _ptr(a: Any) -> int:
+    return int(a.data.ptr)
+
+
+def _numel(x: Any) -> int:
+    return int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
+
+
+def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str, Any]) -> int:
+    flags = F_OFFSET if (op != OP_GATED and offset != 0.0) else 0
+    if weight.dtype == x.dtype:
+        flags |= F_W_IS_INPUT
+    if op == OP_FUSED and params.get("residual_sum", "fp32") == "rounded":
+        flags |= F_ROUNDED
+    if op == OP_GATED:
+        if params.get("convention", "vllm") == "hf":
+            flags |= F_HF
+        if params.get("activation", "silu") == "sigmoid":
+            flags |= F_SIGMOID
+    return flags
+
+
+def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+    fn(grid, block, args)
+
+
+def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple:
+    return (*(np.uint64(p) for p in ptrs), *(np.int64(v) for v in longs),
+            np.float32(a.eps), np.float32(a.offset), np.int32(a.flags))
+
+
+def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
+             params: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The forward kernel on validated inputs; returns the outputs (input's kind)."""
+    x = rows[0]
+    n_out = 2 if op == OP_FUSED else 1
+    side = _side(kind, x)
+    offset = float(params.get("offset", 0.0)) if op != OP_GATED else 0.0
+    with side.context():
+        outs = [side.empty_rows(x) for _ in range(n_out)]
+        if _numel(x) == 0:
+            return tuple(o for o, _ in outs)
+        cp = side.cp
+        import numpy as np
+
+        dt = _dtype_code(kind, x)
+        xv, sx = _row_view(cp, side.raw(x))
+        hidden = int(x.shape[-1])
+        nrows = _numel(x) // hidden
+        r, sr = (0, 0)
+        keep = [xv]
+        if op != OP_RMS:
+            rv, sr = _row_view(cp, side.raw(rows[1]))
+            keep.append(rv)
+            r = _ptr(rv)
+        w32 = side.weight_f32(weight, dt)
+        a = _Args(x=_ptr(xv), r=r, w=_ptr(w32), y=_ptr(outs[0][1]),
+                  y2=_ptr(outs[1][1]) if op == OP_FUSED else 0,
+                  rows=nrows, H=hidden, sx=sx, sr=sr, sy=hidden,
+                  sy2=hidden if op == OP_FUSED else 0,
+                  eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
+        a = with_alignment(a, 4 if dt == DT_F32 else 2)
+        name, grid, block = forward_launch(op, dt, nrows, hidden)
+        fn = _kernel(side.dev, op, dt, name)
+        args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
+        _launch(fn, grid, block, args)
+        del keep, w32
+        return tuple(o for o, _ in outs)
+
+
+def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], weight: Any,
+              eps: float, params: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The backward kernels and the dweight row tree; returns ``(*row grads, dweight)``."""
+    x = rows[0]
+    n_rowgrads = 1 if op == OP_RMS else 2
+    side = _side(kind, x)
+    offset = float(params.get("offset", 0.0)) if op != OP_GATED else 0.0
+    with side.context():
+        outs = [side.empty_rows(x) for _ in range(n_rowgrads)]
+        if _numel(x) == 0:
+            return (*(o for o, _ in outs), side.zeros_like(weight))
+        cp = side.cp
+        import numpy as np
+
+        dt = _dtype_code(kind, x)
+        hidden = int(x.shape[-1])
+        nrows = _numel(x) // hidden
+        xv, sx = _row_view(cp, side.raw(x))
+        dyv, sdy = _row_view(cp, side.raw(grads[0]))
+        keep = [xv, dyv]
+        r = sr = dres = sdres = 0
+        if op != OP_RMS:
+            rv, sr = _row_view(cp, side.raw(rows[1]))
+            keep.append(rv)
+            r = _ptr(rv)
+        if op == OP_FUSED:
+            drv, sdres = _row_view(cp, side.raw(grads[1]))
+            keep.append(drv)
+            dres = _ptr(drv)
+        w32 = side.weight_f32(weight, dt)
+        a = _Args(x=_ptr(xv), r=r, dy=_ptr(dyv), dres=dres, y=_ptr(outs[0][1]),
+                  y2=_ptr(outs[1][1]) if op != OP_RMS else 0, w=_ptr(w32),
+                  rows=nrows, H=hidden, sx=sx, sr=sr, sdy=sdy, sdres=sdres, sy=hidden,
+                  sy2=hidden if op != OP_RMS else 0,
+                  eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
+        a = with_alignment(a, 4 if dt == DT_F32 else 2)
+        glog, groups = backward_plan(dt, nrows, hidden, _sm_count(cp, side.dev))
+        ws, wsv = side.empty_f32((groups, hidden))
+        name, grid, block, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
+        args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
+                     (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
+        if takes_glog:
+            args = (*args, np.int32(glog))
+        _launch(_kernel(side.dev, op, dt, name), grid, block, args)
+        tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
+        g = groups
+        while g > 1:
+            gout, clog, tgrid = col_tree_launch(g, hidden)
+            out, outv = side.empty_f32((gout, hidden))
+            _launch(tree, tgrid, (256, 1, 1),
+                    (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
+                     np.int32(clog)))
+            ws, wsv, g = out, outv, gout
+        dweight = side.dweight(ws, hidden, weight)
+        del keep, w32
+        return (*(o for o, _ in outs), dweight)
+
+
+# ---- autograd for torch inputs ------------------------------------------------------
+class _NormFunction(torch.autograd.Function):
+    """Forward = the forward kernel; backward = the backward kernels (the spec's)."""
+
+    @staticmethod
+    def forward(ctx, op: int, eps: float, params: dict, weight, *rows):
+        ctx.op, ctx.eps, ctx.params = op, eps, params
+        ctx.save_for_backward(weight, *rows)
+        return _forward("torch", op, rows, weight, eps, params)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        weight, *rows = ctx.saved_tensors
+        grads = [torch.zeros_like(rows[0]) if g is None else g for g in grad_outputs]
+        *row_grads, dweight = _backward("torch", ctx.op, grads, rows, weight, ctx.eps,
+                                        ctx.params)
+        return (None, None, None, dweight, *row_grads)
+
+
+def _run(op: int, rows: Mapping[str, Any], weight: Any, eps: float,
+         params: dict[str, Any]) -> tuple[Any, ...]:
+    kind = _validate(rows, weight)
+    eps = check_eps(eps)
+    if "offset" in params:
+        params["offset"] = check_offset(params["offset"])
+    for key, choices in (("residual_sum", RESIDUAL_SUMS), ("convention", GATED_CONVENTIONS),
+                         ("activation", ACTIVATIONS)):
+        if key in params:
+            params[key] = check_choice(key, params[key], choices)
+    values = list(rows.values())
+    if kind == "torch":
+        _check_torch_device(values[0])
+        _cupy()
+        tensors = [*values, weight]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _NormFunction.apply(op, eps, params, weight, *values)
+    else:
+        _cupy()
+    return _forward(kind, op, values, weight, eps, params)
+
+
+def _run_backward(op: int, grads: Mapping[str, Any], rows: Mapping[str, Any], weight: Any,
+                  eps: float, params: dict[str, Any]) -> tuple[Any, ...]:
+    kind = _validate(rows, weight)
+    x = next(iter(rows.values()))
+    for n, g in grads.items():
+        (check_like if kind == "torch" else _cp_check_like)(n, g, x)
+    eps = check_eps(eps)
+    if "offset" in params:
+        params["offset"] = check_offset(params["offset"])
+    for key, choices in (("residual_sum", RESIDUAL_SUMS), ("convention", GATED_CONVENTIONS),
+                         ("activation", ACTIVATIONS)):
+        if key in params:
+            params[key] = check_choice(key, params[key], choices)
+    if kind == "torch":
+        _check_torch_device(x)
+    _cupy()
+    with torch.no_grad():
+        return _backward(kind, op, list(grads.values()), list(rows.values()), weight, eps,
+                         params)
+
+
+# ---- public operators ---------------------------------------------------------------
+def rms_norm(x: Any, weight: Any, *, eps: float, offset: float = 0.0) -> Any:
+    """RMSNorm, bitwise equal to [`normspec.spec.rms_norm`][normspec.spec.rms_norm.rms_norm].
+
+    ``x`` (``(..., H)``) and ``weight`` (``(H,)``, fp32 or ``x``'s dtype) are CUDA torch
+    tensors (differentiable) or CuPy arrays; the result has the same kind.
+    """
+    return _run(OP_RMS, {"x": x}, weight, eps, {"offset": offset})[0]
+
+
+def fused_add_rms_norm(x: Any, residual: Any, weight: Any, *, eps: float, offset: float = 0.0,
+                       residual_sum: str = "fp32") -> tuple[Any, Any]:
+    """Residual add + RMSNorm, bitwise equal to
+    [`normspec.spec.fused_add_rms_norm`][normspec.spec.fused_add.fused_add_rms_norm].
+
+    Returns ``(y, new_residual)``.
+    """
+    y, res = _run(OP_FUSED, {"x": x, "residual": residual}, weight, eps,
+                  {"offset": offset, "residual_sum": residual_sum})
+    return y, res
+
+
+def rms_norm_gated(x: Any, gate: Any, weight: Any, *, eps: float, convention: str = "vllm",
+                   activation: str = "silu") -> Any:
+    """Gated RMSNorm, bitwise equal to
+    [`normspec.spec.rms_norm_gated`][normspec.spec.gated.rms_norm_gated].
+    """
+    return _run(OP_GATED, {"x": x, "gate": gate}, weight, eps,
+                {"convention": convention, "activation": activation})[0]
+
+
+def rms_norm_backward(dy: Any, x: Any, weight: Any, *, eps: float,
+                      offset: float = 0.0) -> tuple[Any, Any]:
+    """``(dx, dweight)`` of [`rms_norm`][normspec.backends.cupy_backend.rms_norm]."""
+    dx, dw = _run_backward(OP_RMS, {"dy": dy}, {"x": x}, weight, eps, {"offset": offset})
+    return dx, dw
+
+
+def fused_add_rms_norm_backward(dy: Any, dresidual_out: Any, x: Any, residual: Any, weight: Any,
+                                *, eps: float, offset: float = 0.0,
+                                residual_sum: str = "fp32") -> tuple[Any, Any, Any]:
+    """``(dx, dresidual, dweight)`` of
+    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]."""
+    dx, dres, dw = _run_backward(
+        OP_FUSED, {"dy": dy, "dresidual_out": dresidual_out}, {"x": x, "residual": residual},
+        weight, eps, {"offset": offset, "residual_sum": residual_sum})
+    return dx, dres, dw
+
+
+def rms_norm_gated_backward(dy: Any, x: Any, gate: Any, weight: Any, *, eps: float,
+                            convention: str = "vllm",
+                            activation: str = "silu") -> tuple[Any, Any, Any]:
+    """``(dx, dgate, dweight)`` of
+    [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]."""
+    dx, dg, dw = _run_backward(OP_GATED, {"dy": dy}, {"x": x, "gate": gate}, weight, eps,
+                               {"convention": convention, "activation": activation})
+    return dx, dg, dw
+
+
+# ---- the registry backend -------------------------------------------------------------
+def _cupy_version() -> str | None:
+    import importlib.metadata
+
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+_OPS = ("rms_norm", "fused_add_rms_norm", "rms_norm_gated")
+
+
+class CupyBackend(Backend):
+    """The normspec CUDA kernels compiled by NVRTC and launched through CuPy."""
+
+    name = "cupy"
+    ops = {op: OpSupport(backward="full", devices=("cuda",), weight_dtypes=("fp32", "same"))
+           for op in _OPS}
+
+    @property
+    def source(self) -> str:  # type: ignore[override]
+        version = _cupy_version() or "(not installed)"
+        return f"CuPy {version} NVRTC RawModule of backends/csrc/normspec_kernels.cuh"
+
+    def available(self) -> str | None:
+        return available()
+
+    def library_version(self) -> str | None:
+        return _cupy_version()
+
+    def forward(self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
+                eps: float, **params: Any) -> tuple[torch.Tensor, ...]:
+        if op == "rms_norm":
+            return (rms_norm(rows["x"], weight, eps=eps, **params),)
+        if op == "fused_add_rms_norm":
+            return fused_add_rms_norm(rows["x"], rows["residual"], weight, eps=eps, **params)
+        if op == "rms_norm_gated":
+            return (rms_norm_gated(rows["x"], rows["gate"], weight, eps=eps, **params),)
+        raise ValueError(f"op: unknown operator {op!r}; expected one of {list(_OPS)}")
+
+
+#: The registry entry point object (``cupy = "normspec.backends.cupy_backend:backend"``).
+backend = CupyBackend()

@@ -1,0 +1,341 @@
+"""The CuPy backend on a GPU: bitwise equal to the spec (computed on the CPU) and to the
+torch extension, forward and backward, for torch tensors and CuPy arrays, on the
+caller's current stream. Skipped without a GPU or without CuPy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _torch_ext_cases import (
+    DTYPE_PAIRS,
+    LAYOUTS,
+    N_OUT,
+    ROW_INPUTS,
+    VARIANTS,
+    assert_bits,
+    grad_names,
+    layout,
+    make_case,
+    spec_backward,
+    spec_forward,
+)
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+
+from normspec import spec  # noqa: E402
+from normspec.backends import cupy_backend as cb  # noqa: E402
+
+EPS = 1e-6
+SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
+          (2, 40000), (1, 5000)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ready():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    reason = cb.available()
+    if reason is not None:
+        pytest.fail(f"cupy backend unavailable on a GPU machine: {reason}")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The torch extension, when it can be built here (else None)."""
+    from normspec.backends import torch_ext as te
+
+    if te.cuda_build_possible() is not None:
+        return None
+    te.build(verbose=True)
+    return te
+
+
+def _on_cuda(t: torch.Tensor, kind: str = "contiguous") -> torch.Tensor:
+    """``t`` on the GPU in the memory layout ``kind`` (strides and offset preserved)."""
+    base = layout(t, kind)
+    storage = torch.empty(base.untyped_storage().size() // base.element_size(), dtype=t.dtype,
+                          device="cuda")
+    out = storage.as_strided(base.shape, base.stride(), base.storage_offset())
+    out.copy_(base)
+    return out
+
+
+def _cupy_supports(dtype: torch.dtype) -> bool:
+    try:
+        cp.from_dlpack(torch.zeros(2, dtype=dtype, device="cuda"))
+    except Exception:
+        return False
+    return True
+
+
+def _to_cupy(t: torch.Tensor):
+    return cp.from_dlpack(t.detach())
+
+
+def _to_torch(a) -> torch.Tensor:
+    return torch.from_dlpack(a)
+
+
+def _call(op, rows, weight, eps, params):
+    fn = getattr(cb, op)
+    out = fn(*rows.values(), weight, eps=eps, **params)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _call_backward(op, grads, rows, weight, eps, params):
+    fn = getattr(cb, f"{op}_backward")
+    return fn(*grads, *rows.values(), weight, eps=eps, **params)
+
+
+def check_torch(op, params, shape, dtype, wdtype, seed, *, ext=None, layouts=None,
+                specials=True, eps=EPS):
+    """Forward and autograd gradients on torch CUDA tensors vs the spec (and the extension)."""
+    rows, weight, grads = make_case(op, params, shape, dtype, wdtype, seed, specials=specials)
+    ctx = f"{op} {params} shape={tuple(shape)} {dtype}/{wdtype} seed={seed} layouts={layouts}"
+    layouts = layouts or {}
+    want = spec_forward(op, rows, weight, eps, params)
+    want_g = spec_backward(op, grads, rows, weight, eps, params)
+    crows = {k: _on_cuda(v, layouts.get(k, "contiguous")).requires_grad_(True)
+             for k, v in rows.items()}
+    cw = weight.cuda().requires_grad_(True)
+    got = _call(op, crows, cw, eps, params)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert isinstance(g, torch.Tensor) and g.device.type == "cuda"
+        assert_bits(g, w, f"cupy forward output {i} of {ctx}")
+    cgrads = [_on_cuda(g, layouts.get("grad", "contiguous")) for g in grads]
+    got_g = torch.autograd.grad(got, [*crows.values(), cw], cgrads)
+    for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+        assert_bits(g, w, f"cupy autograd {name} of {ctx}")
+    # the explicit backward functions give the same bits
+    plain = {k: v.detach() for k, v in crows.items()}
+    for name, g, w in zip(grad_names(op), _call_backward(op, cgrads, plain, cw.detach(), eps,
+                                                          params), want_g, strict=True):
+        assert_bits(g, w, f"cupy {op}_backward {name} of {ctx}")
+    if ext is not None:
+        from _torch_ext_cases import ext_backward, ext_forward
+
+        for i, (g, e) in enumerate(zip(got, ext_forward(op, plain, cw.detach(), eps, params),
+                                       strict=True)):
+            assert_bits(g, e, f"cupy vs torch_ext forward output {i} of {ctx}")
+        for name, g, e in zip(grad_names(op), got_g,
+                              ext_backward(op, cgrads, plain, cw.detach(), eps, params),
+                              strict=True):
+            assert_bits(g, e, f"cupy vs torch_ext {name} of {ctx}")
+
+
+def check_cupy(op, params, shape, dtype, wdtype, seed, *, layouts=None, specials=True,
+               eps=EPS):
+    """Forward and the explicit backward on CuPy arrays vs the spec; results are CuPy."""
+    rows, weight, grads = make_case(op, params, shape, dtype, wdtype, seed, specials=specials)
+    ctx = f"cupy arrays {op} {params} shape={tuple(shape)} {dtype}/{wdtype} seed={seed}"
+    layouts = layouts or {}
+    want = spec_forward(op, rows, weight, eps, params)
+    want_g = spec_backward(op, grads, rows, weight, eps, params)
+    arows = {k: _to_cupy(_on_cuda(v, layouts.get(k, "contiguous"))) for k, v in rows.items()}
+    aw = _to_cupy(weight.cuda())
+    got = _call(op, arows, aw, eps, params)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert isinstance(g, cp.ndarray), type(g)
+        assert_bits(_to_torch(g), w, f"forward output {i} of {ctx}")
+    agrads = [_to_cupy(_on_cuda(g, layouts.get("grad", "contiguous"))) for g in grads]
+    got_g = _call_backward(op, agrads, arows, aw, eps, params)
+    for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+        assert isinstance(g, cp.ndarray), type(g)
+        assert_bits(_to_torch(g), w, f"{name} of {ctx}")
+
+
+_ids = dict(ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
+
+
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("op,params", VARIANTS, **_ids)
+def test_torch_inputs_every_variant(op, params, dtype, wdtype, ext):
+    for seed, shape in enumerate(SHAPES):
+        check_torch(op, params, shape, dtype, wdtype, seed, ext=ext, specials=seed % 2 == 1)
+
+
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("op,params", VARIANTS, **_ids)
+def test_cupy_inputs_every_variant(op, params, dtype, wdtype):
+    if not _cupy_supports(dtype):
+        pytest.skip(f"this CuPy has no {dtype} arrays (bfloat16 needs ml_dtypes)")
+    for seed, shape in enumerate([(5, 1), (9, 1003), (3, 2048), (4, 8192), (2, 12000)]):
+        check_cupy(op, params, shape, dtype, wdtype, seed, specials=seed % 2 == 1)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("op,params", VARIANTS[::3], **_ids)
+def test_layouts(op, params, kind, ext):
+    layouts = {"x": kind, "residual": kind, "gate": kind, "grad": kind}
+    for seed, shape in enumerate([(4, 3, 1003), (2, 5, 2048), (3, 2, 8)]):
+        for dtype, wdtype in DTYPE_PAIRS[:3]:
+            check_torch(op, params, shape, dtype, wdtype, seed, ext=ext, layouts=layouts)
+            if _cupy_supports(dtype):
+                check_cupy(op, params, shape, dtype, wdtype, seed, layouts=layouts)
+
+
+@pytest.mark.parametrize("shape", [(2**16, 128), (4096, 2048), (64, 8192), (1000, 1),
+                                   (513, 1003), (300, 33000)])
+@pytest.mark.parametrize("op,params", [VARIANTS[1], VARIANTS[4], VARIANTS[9]], **_ids)
+def test_large_shapes(op, params, shape, ext):
+    check_torch(op, params, shape, torch.bfloat16, torch.float32, 1, ext=ext)
+    check_cupy(op, params, shape, torch.float16, torch.float16, 2)
+
+
+def test_many_rows_dweight_tree(ext):
+    # many groups in the workspace, several col-tree levels, a non-power-of-two row count
+    check_torch("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,
+                ext=ext, specials=False)
+
+
+def test_negative_zero_padding():
+    for hidden, rows in [(3, 3), (5, 6), (1, 3), (1003, 37)]:
+        x = torch.ones(rows, hidden)
+        w = torch.ones(hidden)
+        dy = torch.full((rows, hidden), -0.0)
+        want = spec.rms_norm_backward(dy, x, w, eps=EPS)
+        got = cb.rms_norm_backward(dy.cuda(), x.cuda(), w.cuda(), eps=EPS)
+        for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
+            assert_bits(g, ww, name)
+
+
+def test_empty_rows():
+    x = torch.empty(0, 8, device="cuda")
+    w = torch.ones(8, device="cuda")
+    assert cb.rms_norm(x, w, eps=EPS).shape == (0, 8)
+    y, res = cb.fused_add_rms_norm(x, x, w, eps=EPS)
+    assert y.shape == res.shape == (0, 8)
+    dx, dw = cb.rms_norm_backward(x, x, w, eps=EPS)
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros_like(w))
+
+
+def test_sum_backward_with_expanded_grad():
+    x = torch.randn(7, 300, dtype=torch.bfloat16)
+    w = torch.randn(300)
+    xs, ws = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
+    cb.rms_norm(xs, ws, eps=EPS, offset=1.0).float().sum().backward()
+    want = spec.rms_norm_backward(torch.ones_like(x), x, w, eps=EPS, offset=1.0)
+    assert_bits(xs.grad, want[0], "dx")
+    assert_bits(ws.grad, want[1], "dweight")
+
+
+def test_only_one_output_used():
+    # the unused output of the fused op gets a zero gradient, as in the extension
+    x, r = torch.randn(5, 64), torch.randn(5, 64)
+    w = torch.randn(64)
+    xs, rs, ws = (t.cuda().requires_grad_(True) for t in (x, r, w))
+    y, _res = cb.fused_add_rms_norm(xs, rs, ws, eps=EPS)
+    dy = torch.randn(5, 64)
+    got = torch.autograd.grad(y, [xs, rs, ws], dy.cuda())
+    want = spec.fused_add_rms_norm_backward(dy, torch.zeros_like(dy), x, r, w, eps=EPS)
+    for name, g, ww in zip(("dx", "dresidual", "dweight"), got, want, strict=True):
+        assert_bits(g, ww, name)
+
+
+def test_torch_current_stream_is_used():
+    """Inputs written late on a side stream: the kernel must queue behind them there."""
+    x = torch.randn(256, 4096, dtype=torch.bfloat16)
+    w = torch.randn(4096)
+    want = spec.rms_norm(x, w, eps=EPS)
+    src, cw = x.cuda(), w.cuda()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        late = torch.full_like(src, float("nan"))
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy
+        late.copy_(src)
+        y = cb.rms_norm(late, cw, eps=EPS)
+        dx, dw = cb.rms_norm_backward(torch.ones_like(late), late, cw, eps=EPS)
+    s.synchronize()
+    assert_bits(y, want, "forward on a side stream")
+    want_g = spec.rms_norm_backward(torch.ones_like(x), x, w, eps=EPS)
+    assert_bits(dx, want_g[0], "dx on a side stream")
+    assert_bits(dw, want_g[1], "dweight on a side stream")
+
+
+def test_cupy_current_stream_is_used():
+    x = torch.randn(256, 4096, dtype=torch.float16)
+    w = torch.randn(4096, dtype=torch.float16)
+    want = spec.rms_norm(x, w, eps=EPS)
+    src, aw = _to_cupy(x.cuda()), _to_cupy(w.cuda())
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with cb.cupy_stream_of(cp, s, 0):
+        late = cp.full(src.shape, cp.nan, dtype=src.dtype)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000_000)
+        late[...] = src
+        y = cb.rms_norm(late, aw, eps=EPS)
+    s.synchronize()
+    assert_bits(_to_torch(y), want, "forward on CuPy's current stream")
+
+
+def test_repeated_calls_and_disk_cache(monkeypatch, tmp_path):
+    x = torch.randn(3, 1003, device="cuda")
+    w = torch.randn(1003, device="cuda")
+    first = cb.rms_norm(x, w, eps=EPS)
+    monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cb, "_modules", {})
+    monkeypatch.setattr(cb, "_functions", {})
+    fresh = cb.rms_norm(x, w, eps=EPS)  # compiled into an empty cache
+    assert any(tmp_path.glob("*.cubin")) or any(tmp_path.glob("*.ptx"))
+    monkeypatch.setattr(cb, "_modules", {})
+    monkeypatch.setattr(cb, "_functions", {})
+    loaded = cb.rms_norm(x, w, eps=EPS)  # loaded from the disk cache
+    assert_bits(fresh, first, "fresh compile")
+    assert_bits(loaded, first, "from the disk cache")
+
+
+def test_registry_backend_forward():
+    b = cb.backend
+    assert b.available() is None
+    rows, weight, _ = make_case("fused_add_rms_norm", VARIANTS[4][1], (6, 200), torch.bfloat16,
+                                torch.float32, 5, specials=True)
+    want = spec_forward("fused_add_rms_norm", rows, weight, EPS, VARIANTS[4][1])
+    got = b.forward("fused_add_rms_norm", {k: v.cuda() for k, v in rows.items()},
+                    weight.cuda(), eps=EPS, **VARIANTS[4][1])
+    assert isinstance(got, tuple) and len(got) == N_OUT["fused_add_rms_norm"]
+    for g, w in zip(got, want, strict=True):
+        assert_bits(g, w, "registry forward")
+    assert set(ROW_INPUTS) == set(b.ops)
+
+
+def test_error_messages_on_the_gpu():
+    x = torch.randn(2, 8, device="cuda")
+    w = torch.ones(8, device="cuda")
+    with pytest.raises(ValueError, match=r"weight: expected the device of x, cuda:0, got cpu"):
+        cb.rms_norm(x, torch.ones(8), eps=EPS)
+    with pytest.raises(TypeError, match=r"weight: expected a torch.Tensor, got ndarray"):
+        cb.rms_norm(x, cp.ones(8, dtype=cp.float32), eps=EPS)
+    ax, aw = cp.ones((2, 8), dtype=cp.float32), cp.ones(8, dtype=cp.float32)
+    with pytest.raises(TypeError, match=r"residual: expected a CuPy array \(like x\)"):
+        cb.fused_add_rms_norm(ax, torch.ones(2, 8, device="cuda"), aw, eps=EPS)
+    with pytest.raises(TypeError, match=r"gate: expected the dtype of x, float32, got float16"):
+        cb.rms_norm_gated(ax, cp.ones((2, 8), dtype=cp.float16), aw, eps=EPS)
+    with pytest.raises(ValueError, match=r"gate: expected the shape of x, \(2, 8\), got \(8,\)"):
+        cb.rms_norm_gated(ax, aw, aw, eps=EPS)
+    with pytest.raises(TypeError, match=r"x: expected dtype in \(float32, bfloat16, float16\), "
+                                        r"got float64"):
+        cb.rms_norm(cp.ones((2, 8)), aw, eps=EPS)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
+        cb.rms_norm(ax, cp.ones(9, dtype=cp.float32), eps=EPS)
+    with pytest.raises(TypeError, match=r"weight: expected dtype float32 or x's dtype"):
+        cb.rms_norm(ax.astype(cp.float16), cp.ones(8, dtype=cp.float64), eps=EPS)
+    with pytest.raises(ValueError, match=r"eps: expected a finite value > 0"):
+        cb.rms_norm(ax, aw, eps=-1.0)
+    with pytest.raises(ValueError, match=r"dy: expected the shape of x"):
+        cb.rms_norm_backward(cp.ones((3, 8), dtype=cp.float32), ax, aw, eps=EPS)
+    assert cb.rms_norm(x, w, eps=EPS).shape == (2, 8)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_device():
+    x = torch.randn(4, 1003, device="cuda:1")
+    w = torch.randn(1003, device="cuda:1")
+    y = cb.rms_norm(x, w, eps=EPS)
+    assert y.device == x.device
+    assert_bits(y, spec.rms_norm(x.cpu(), w.cpu(), eps=EPS), "cuda:1")
+    with pytest.raises(ValueError, match=r"weight: expected the device of x"):
+        cb.rms_norm(x, w.to("cuda:0"), eps=EPS)

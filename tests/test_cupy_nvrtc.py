@@ -1,0 +1,285 @@
+"""The CuPy backend without a GPU: availability reasons, argument validation, the Python
+launch plan against the C++ launcher (compiled on the host with nvcc), and the NVRTC
+compile of every kernel the backend launches (CuPy + NVRTC wheels, no GPU needed).
+
+GPU behaviour is tested in tests/test_cupy_backend.py, on a GPU only.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from normspec.backends import cupy_backend as cb
+
+CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
+EPS = 1e-6
+
+
+# ---- availability -------------------------------------------------------------------
+def test_available_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    reason = cb.available()
+    assert reason is not None and reason.startswith("CuPy is not installed")
+    assert "cupy-cuda12x" in reason
+    assert cb.backend.available() == reason
+    with pytest.raises(RuntimeError, match="CuPy is not installed"):
+        cb._cupy()
+
+
+def test_available_without_gpu_gives_a_reason():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    reason = cb.available()
+    assert reason is not None
+    assert "CuPy" in reason or "GPU" in reason
+
+
+def test_registry_object():
+    b = cb.backend
+    assert b.name == "cupy"
+    assert "NVRTC RawModule of backends/csrc/normspec_kernels.cuh" in b.source
+    assert b.source.startswith("CuPy ")
+    assert set(b.ops) == {"rms_norm", "fused_add_rms_norm", "rms_norm_gated"}
+    for op in b.ops.values():
+        assert op.backward == "full"
+        assert op.devices == ("cuda",)
+        assert set(op.weight_dtypes) == {"fp32", "same"}
+    assert b.supports("rms_norm", {"offset": 1.0}, "cpu").startswith("device 'cpu'")
+    assert b.supports("rms_norm_gated", {"convention": "hf"}, "cuda") is None
+
+
+# ---- validation before any GPU work ---------------------------------------------------
+def _t(*shape, dtype=torch.float32):
+    return torch.ones(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call,exc,pattern",
+    [
+        (lambda: cb.rms_norm(np.ones((2, 8), np.float32), _t(8), eps=EPS), TypeError,
+         r"x: expected a CUDA torch.Tensor or a CuPy array, got a numpy.ndarray"),
+        (lambda: cb.rms_norm([1.0, 2.0], _t(2), eps=EPS), TypeError,
+         r"x: expected a CUDA torch.Tensor or a CuPy array, got builtins.list"),
+        (lambda: cb.rms_norm(_t(2, 8), _t(8), eps=EPS), ValueError,
+         r"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on cpu"),
+        (lambda: cb.rms_norm(_t(2, 8, dtype=torch.int32), _t(8), eps=EPS), TypeError,
+         r"x: expected dtype in \(float32, bfloat16, float16\), got torch.int32"),
+        (lambda: cb.rms_norm(_t(2, 0), _t(0), eps=EPS), ValueError,
+         r"x: expected shape \(\.\.\., H\) with H >= 1"),
+        (lambda: cb.rms_norm(_t(2, 8), _t(7), eps=EPS), ValueError,
+         r"weight: expected shape \(8,\) to match x's last dimension, got \(7,\)"),
+        (lambda: cb.rms_norm(_t(2, 8, dtype=torch.bfloat16), _t(8, dtype=torch.float16),
+                             eps=EPS), TypeError,
+         r"weight: expected dtype float32 or x's dtype \(torch.bfloat16\), got torch.float16"),
+        (lambda: cb.rms_norm(_t(2, 8), _t(8), eps=0.0), ValueError,
+         r"eps: expected a finite value > 0"),
+        (lambda: cb.rms_norm(_t(2, 8), _t(8), eps=EPS, offset=float("nan")), ValueError,
+         r"offset: expected a finite value"),
+        (lambda: cb.fused_add_rms_norm(_t(2, 8), _t(2, 8, dtype=torch.float16), _t(8),
+                                       eps=EPS), TypeError,
+         r"residual: expected the dtype of x, torch.float32, got torch.float16"),
+        (lambda: cb.fused_add_rms_norm(_t(2, 8), _t(3, 8), _t(8), eps=EPS), ValueError,
+         r"residual: expected the shape of x, \(2, 8\), got \(3, 8\)"),
+        (lambda: cb.fused_add_rms_norm(_t(2, 8), _t(2, 8), _t(8), eps=EPS,
+                                       residual_sum="bf16"), ValueError,
+         r"residual_sum: expected one of \('fp32', 'rounded'\)"),
+        (lambda: cb.rms_norm_gated(_t(2, 8), np.ones((2, 8), np.float32), _t(8), eps=EPS),
+         TypeError, r"gate: expected a torch.Tensor, got ndarray"),
+        (lambda: cb.rms_norm_gated(_t(2, 8), _t(2, 8), _t(8), eps=EPS, convention="x"),
+         ValueError, r"convention: expected one of \('vllm', 'hf'\)"),
+        (lambda: cb.rms_norm_gated(_t(2, 8), _t(2, 8), _t(8), eps=EPS, activation="gelu"),
+         ValueError, r"activation: expected one of \('silu', 'sigmoid'\)"),
+        (lambda: cb.rms_norm_backward(_t(2, 9), _t(2, 8), _t(8), eps=EPS), ValueError,
+         r"dy: expected the shape of x"),
+        (lambda: cb.fused_add_rms_norm_backward(_t(2, 8), _t(2, 8, dtype=torch.float16),
+                                                _t(2, 8), _t(2, 8), _t(8), eps=EPS), TypeError,
+         r"dresidual_out: expected the dtype of x"),
+        (lambda: cb.rms_norm_gated_backward(_t(2, 8), _t(2, 8), _t(2, 8), _t(8), eps=EPS),
+         ValueError, r"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on cpu"),
+    ],
+)
+def test_validation_errors(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+# ---- the Python launch plan ---------------------------------------------------------------
+def test_row_stride_of_layouts():
+    def stride(t):
+        return cb._collapsible_stride(tuple(t.shape), tuple(t.stride()))
+
+    x = torch.zeros(4, 3, 10)
+    assert stride(x) == 10
+    assert stride(torch.zeros(4, 3, 15)[..., :10]) == 15
+    assert stride(x.transpose(-1, 0)) is None
+    assert stride(torch.zeros(4, 4, 10)[:, :3]) is None  # leading dims do not collapse
+    assert stride(torch.zeros(1, 1, 10)) == 10
+    assert stride(torch.zeros(5, 1)[:, :1].expand(5, 1)) == 1
+    assert stride(torch.zeros(10).expand(6, 10)) == 0  # broadcast rows read one row
+    assert stride(torch.zeros(6, 1, 10)[:, :, :]) == 10
+    assert cb._collapsible_stride((3, 4), (-4, 1)) is None  # negative: copied
+
+
+def test_alignment_flag():
+    a = cb._Args(x=4096, w=8192, y=16384, rows=3, H=8, sx=8, sy=8)
+    assert cb.with_alignment(a, 4).flags & cb.F_ALIGNED
+    assert cb.with_alignment(a, 2).flags & cb.F_ALIGNED  # 16 bytes a row
+    assert not cb.with_alignment(cb._Args(x=4096, w=8192, y=16384, sx=9, sy=8), 4).flags
+    assert not cb.with_alignment(cb._Args(x=4098, w=8192, y=16384, sx=8, sy=8), 2).flags
+    assert not cb.with_alignment(cb._Args(x=4096, w=8196, y=16384, sx=8, sy=8), 4).flags
+    # unused (null) pointers do not count
+    assert cb.with_alignment(cb._Args(x=4096, w=8192, y=16384, sx=8, sy=8, sr=3), 4).flags
+
+
+def test_launch_shapes():
+    name, grid, block = cb.forward_launch(cb.OP_RMS, cb.DT_BF16, 2**16, 128)
+    assert (name, grid, block) == ("normspec_fwd_kernel<0, __nv_bfloat16, 1>", (16384, 1, 1),
+                                   (32, 4, 1))
+    name, grid, block = cb.forward_launch(cb.OP_FUSED, cb.DT_F32, 7, 8192)
+    assert (name, grid, block) == ("normspec_fwd_kernel<1, float, 2>", (7, 1, 1), (1024, 1, 1))
+    name, grid, block = cb.forward_launch(cb.OP_GATED, cb.DT_F16, 3, 40000)
+    assert (name, grid, block) == ("normspec_fwd_stream_kernel<2, __half>", (3, 1, 1),
+                                   (1024, 1, 1))
+    name, grid, block, glog = cb.backward_launch(cb.OP_RMS, cb.DT_F32, 9, 1003, 9)
+    assert (name, grid, block, glog) == ("normspec_bwd_kernel<0, float, 1>", (9, 1, 1),
+                                         (256, 1, 1), True)
+    name, grid, block, glog = cb.backward_launch(cb.OP_GATED, cb.DT_BF16, 5, 12000, 5)
+    assert (name, grid, block, glog) == ("normspec_bwd_stream_kernel<2, __nv_bfloat16>",
+                                         (5, 1, 1), (1024, 1, 1), False)
+    assert cb.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
+    assert cb.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
+    for op in (0, 1, 2):
+        for dt in (0, 1, 2):
+            names = cb.name_expressions(op, dt)
+            assert len(names) == len(set(names)) == 9
+            for hidden in (1, 100, 1003, 8192, 12000, 70000):
+                assert cb.forward_launch(op, dt, 5, hidden)[0] in names
+                assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
+
+
+def _nvcc() -> str | None:
+    from test_cuda_sources import NVCC
+
+    return NVCC
+
+
+GEO_MAIN = r"""
+#include "normspec_launch.cu"
+#include <cstdio>
+int main() {
+  using namespace normspec;
+  const long long Hs[] = {@HS@};
+  const long long Rs[] = {@RS@};
+  const int Ss[] = {1, 7, 132};
+  for (long long H : Hs) for (int vec : {4, 8}) {
+    Geometry f = geometry(H, vec), b = backward_geometry(H, vec);
+    printf("G %lld %d %d %d %d %d\n", H, vec, f.threads, f.np, b.threads, b.np);
+  }
+  for (int dt : {0, 1, 2}) for (long long H : Hs) for (long long R : Rs) for (int s : Ss) {
+    BackwardPlan p = backward_plan(dt, R, H, s);
+    printf("P %d %lld %lld %d %d %lld\n", dt, R, H, s, p.glog, p.groups);
+  }
+  for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
+  for (long long u : Rs)
+    for (int pb : {1, 4, 256}) printf("F %lld %d %u\n", u, pb, grid_for(u, pb));
+  return 0;
+}
+"""
+HS = (1, 2, 3, 4, 7, 8, 9, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 257, 500, 511, 512,
+      513, 1000, 1003, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 5000, 8191, 8192,
+      8193, 12000, 16384, 16385, 32768, 32769, 40000, 70000)
+RS = (0, 1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 100, 257, 1000, 4096, 65535, 65536, 100003,
+      1000000, 1 << 33)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_plan_matches_the_cpp_launcher(tmp_path):
+    """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
+    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones."""
+    src = tmp_path / "geo.cu"
+    src.write_text(GEO_MAIN.replace("@HS@", ", ".join(map(str, HS)))
+                   .replace("@RS@", ", ".join(f"{r}LL" for r in RS)))
+    exe = tmp_path / "geo"
+    cmd = [_nvcc(), "-std=c++17", "-arch=compute_90", "-code=compute_90", "-I", str(CSRC),
+           str(src), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    n = 0
+    for line in out.splitlines():
+        kind, *v = line.split()
+        v = [int(t) for t in v]
+        if kind == "G":
+            hidden, vec, ft, fnp, bt, bnp = v
+            assert cb.forward_geometry(hidden, vec) == (ft, fnp), line
+            assert cb.backward_geometry(hidden, vec) == (bt, bnp), line
+        elif kind == "P":
+            dt, rows, hidden, sm, glog, groups = v
+            assert cb.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
+        elif kind == "C":
+            assert cb.col_tree_rows_out(v[0]) == v[1], line
+        elif kind == "F":
+            assert cb.grid_for(v[0], v[1]) == v[2], line
+        n += 1
+    assert n > 5000
+
+
+# ---- NVRTC, without a GPU ---------------------------------------------------------------
+def _nvrtc_or_skip():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.nvrtc.getVersion()
+    except Exception as exc:  # libnvrtc not found
+        pytest.skip(f"NVRTC not loadable: {exc}")
+    if cb.cuda_include_dir() is None:
+        pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC: pip install nvidia-cuda-runtime")
+    return cp
+
+
+@pytest.mark.parametrize("dt", [cb.DT_F32, cb.DT_BF16, cb.DT_F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("op", [cb.OP_RMS, cb.OP_FUSED, cb.OP_GATED],
+                         ids=["rms", "fused", "gated"])
+def test_every_kernel_compiles_to_sm90_cubin(op, dt):
+    _nvrtc_or_skip()
+    names = cb.name_expressions(op, dt)
+    image, mapping, _log = cb.compile_kernels(names, "sm_90")
+    assert image[:4] == b"\x7fELF"
+    assert set(mapping) == set(names)
+    # the lowered names carry the argument types the launcher packs
+    fwd = "PKT0_S[0-9]_PKfPS[0-9]_S[0-9]_xxxxxxffi$"  # 5 pointers, 6 long long, 2 float, int
+    bwd = "Pfxxxxxxxxffii$"  # ws, 8 long long, eps, offset, flags, glog
+    for name, low in mapping.items():
+        if name.startswith("normspec_fwd"):
+            assert re.search(fwd, low), (name, low)
+        elif name.startswith("normspec_bwd_kernel"):
+            assert re.search(bwd, low), (name, low)
+        elif name.startswith("normspec_bwd_stream"):
+            assert re.search("Pfxxxxxxxxffi$", low), (name, low)
+        else:
+            assert low == "_Z24normspec_col_tree_kernelPKfPfxxi"
+
+
+def test_ptx_has_ieee_arithmetic_only():
+    """No flush-to-zero, no contraction into fma, no approximate division or sqrt."""
+    _nvrtc_or_skip()
+    image, _, _ = cb.compile_kernels(cb.name_expressions(cb.OP_GATED, cb.DT_BF16), "compute_90")
+    ptx = image.decode()
+    assert ".entry" in ptx
+    assert ".ftz" not in ptx
+    assert not re.search(r"\bfma\.", ptx)
+    assert "approx" not in ptx
+
+
+def test_compile_error_reports_the_log(monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setattr(cb, "source_text", lambda: "#include \"normspec_kernels.cuh\"\nint x = ;\n")
+    with pytest.raises(cb.NVRTCCompileError, match="NVRTC compile failed") as info:
+        cb.compile_kernels(["normspec_col_tree_kernel"], "sm_90")
+    assert "expected an expression" in str(info.value)
