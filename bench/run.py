@@ -231,9 +231,12 @@ def _weights(fn) -> list[torch.Tensor]:
     return found
 
 
-CASES = [("norm", r, 2048) for r in (1, 64, 4096, 32768, 65536)] + [
-    ("norm", r, 256) for r in (64, 4096, 32768 * 16)
-] + [("fused", 32768, 2048), ("gated", 2**21, 128)]
+# The shapes the targets are about come first, so a run stopped early keeps them.
+CASES = [
+    ("norm", 32768, 2048), ("gated", 2**21, 128), ("fused", 32768, 2048),
+    ("norm", 65536, 2048), ("norm", 4096, 2048), ("norm", 64, 2048), ("norm", 1, 2048),
+    ("norm", 32768 * 16, 256), ("norm", 4096, 256), ("norm", 64, 256),
+]
 
 
 def main(argv=None) -> int:
@@ -245,10 +248,6 @@ def main(argv=None) -> int:
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     bw = copy_bandwidth()
-    rows = []
-    for kind, r, h in CASES:
-        print(f"timing {kind} {r}x{h} ...", file=sys.stderr, flush=True)
-        rows += time_case(kind, r, h, bw, args.quick)
     props = torch.cuda.get_device_properties(0)
     env = {"device_name": props.name, "capability": f"{props.major}.{props.minor}",
            "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -264,7 +263,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / (props.name.replace(" ", "_") + ".json")
-    path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    rows = []
+    for kind, r, h in CASES:
+        print(f"timing {kind} {r}x{h} ...", file=sys.stderr, flush=True)
+        rows += time_case(kind, r, h, bw, args.quick)
+        # written after every case, so a run stopped part-way keeps what it measured
+        path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
     print(f"\ncopy bandwidth {bw:.2f} TB/s (read + write); results in {path}\n")
     print(f"{'case':<22}{'backend':<34}{'fwd us':>9}{'TB/s':>7}{'%copy':>7}"
           f"{'bwd us':>10}{'TB/s':>7}{'%copy':>7}")

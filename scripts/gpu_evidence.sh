@@ -5,7 +5,8 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [compare] [bench]   (default: all)
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep]
+#   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, ...)
 #
 # Each stage has a time limit so that a slow stage cannot eat the others; logs
 # and a tarball of the results go to $OUT (default: ./gpu-evidence).
@@ -13,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-evidence}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} COLUMNS=200
-stages=${*:-tests conformance compare bench}
+stages=${*:-tests conformance bench conformance-ours compare}
 run() {  # run LIMIT NAME CMD...: time-limited stage with its log
   local limit=$1 name=$2; shift 2
   echo "=== $name: $*" | tee -a "$OUT/summary.log"
@@ -22,16 +23,23 @@ run() {  # run LIMIT NAME CMD...: time-limited stage with its log
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   tail -n 25 "$OUT/$name.log"
+  # keep what exists so far, in case a later stage outlives the lease
+  tar czf "$OUT/evidence.tgz" reports bench/results 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
-run 240 build normspec build
+run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
     tests)
-      run 200 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests ;;
-    conformance)
-      for p in cuda_bf16 cuda_fp16 cuda_fp32; do
-        run 420 "conformance-$p" python3 -m nox -s conformance-cuda -- --profile "$p"
+      run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests ;;
+    conformance)  # every backend; CONFORMANCE_ARGS e.g. "--quick"
+      run ${CONF_LIMIT:-420} conformance-cuda_bf16 python3 -m nox -s conformance-cuda -- \
+        --profile cuda_bf16 ${CONFORMANCE_ARGS:-} ;;
+    conformance-ours)  # fp16 and fp32: the spec, our kernels and transformers
+      for p in cuda_fp16 cuda_fp32; do
+        run ${CONF_OURS_LIMIT:-240} "conformance-$p" python3 -m nox -s conformance-cuda -- \
+          --profile "$p" --backend reference --backend torch_ext --backend cupy \
+          --backend transformers ${CONFORMANCE_ARGS:-}
       done ;;
     compare)
       for op in rms_norm fused_add_rms_norm rms_norm_gated; do
@@ -41,7 +49,7 @@ for s in $stages; do
     sweep)
       run 240 geometry-sweep python3 bench/geometry_sweep.py ;;
     bench)
-      run 400 bench python3 -m nox -s bench ;;
+      run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
 done
 tar czf "$OUT/evidence.tgz" reports bench/results 2>/dev/null
