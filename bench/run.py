@@ -173,6 +173,25 @@ def _first(out):
     return out[0] if isinstance(out, tuple | list) else out
 
 
+OP_NAMES = {"norm": "rms_norm", "fused": "fused_add_rms_norm", "gated": "rms_norm_gated"}
+
+
+def split_directions(row: dict) -> list[dict]:
+    """One result row per direction, in the schema docs_gen/bench.py renders."""
+    out = []
+    for direction in ("forward", "backward"):
+        if f"{direction}_us" not in row and not ("error" in row and direction == "forward"):
+            continue
+        out.append({
+            "name": OP_NAMES[row["kind"]], "shape": row["shape"], "backend": row["backend"],
+            "direction": direction, "us": row.get(f"{direction}_us"),
+            "tbps": row.get(f"{direction}_tbps"),
+            "copy_fraction": row.get(f"{direction}_copy_fraction"),
+            **({"error": row["error"]} if "error" in row else {}),
+        })
+    return out
+
+
 def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_in = {"norm": 1, "fused": 2, "gated": 2}[kind]
@@ -240,6 +259,11 @@ CASES = [
 
 
 def main(argv=None) -> int:
+    # torch.compile donates buffers to its backward, which then refuses the
+    # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip backward on small shapes")
     p.add_argument("--out", default="bench/results")
@@ -268,7 +292,8 @@ def main(argv=None) -> int:
         print(f"timing {kind} {r}x{h} ...", file=sys.stderr, flush=True)
         rows += time_case(kind, r, h, bw, args.quick)
         # written after every case, so a run stopped part-way keeps what it measured
-        path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+        flat = [d for row in rows for d in split_directions(row)]
+        path.write_text(json.dumps({"environment": env, "rows": flat}, indent=1) + "\n")
     print(f"\ncopy bandwidth {bw:.2f} TB/s (read + write); results in {path}\n")
     print(f"{'case':<22}{'backend':<34}{'fwd us':>9}{'TB/s':>7}{'%copy':>7}"
           f"{'bwd us':>10}{'TB/s':>7}{'%copy':>7}")

@@ -7,6 +7,8 @@
 #
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, ...)
+# A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
+# NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
 # Each stage has a time limit so that a slow stage cannot eat the others; logs
 # and a tarball of the results go to $OUT (default: ./gpu-evidence).

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -48,7 +49,15 @@ SCHEMA_VERSION = 1
 
 
 def git_state(root: Path | None = None) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout normspec runs from (``None`` outside git)."""
+    """Commit and dirty flag of the checkout normspec runs from (``None`` outside git).
+
+    A copy of the tree without ``.git`` (a lent GPU machine) can be told its
+    commit through ``NORMSPEC_GIT_COMMIT`` (and ``NORMSPEC_GIT_DIRTY=1``).
+    """
+    if os.environ.get("NORMSPEC_GIT_COMMIT"):
+        return {"commit": os.environ["NORMSPEC_GIT_COMMIT"],
+                "dirty": os.environ.get("NORMSPEC_GIT_DIRTY", "0") == "1",
+                "recorded": "from NORMSPEC_GIT_COMMIT"}
     root = root or Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
