@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DIST = "fla-core"
 
@@ -115,14 +114,9 @@ class FlaBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"fla backend: {reason}")
-        v.check_weight(weight, x)
-        eps = v.check_eps(eps)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         if op == "rms_norm_gated":
-            gate = v.check_like("gate", rows.get("gate"), x)
+            gate = rows["gate"]
             from fla.modules.fused_norm_gate import rms_norm_gated
 
             return (rms_norm_gated(x, gate, weight, None, activation=_activation(params),
@@ -134,7 +128,7 @@ class FlaBackend(Backend):
         g = weight if offset == 0.0 else offset + weight.float()
         if op == "rms_norm":
             return (rms_norm(x, g, None, eps=eps),)
-        residual = v.check_like("residual", rows.get("residual"), x)
+        residual = rows["residual"]
         y, res_out = rms_norm(x, g, None, residual=residual, eps=eps, prenorm=True)
         return y, res_out
 
@@ -165,13 +159,8 @@ class FlaGatedBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"fla-gated backend: {reason}")
-        v.check_weight(weight, x)
-        eps = v.check_eps(eps)
-        gate = v.check_like("gate", rows.get("gate"), x)
+        x, eps = self.check_call(op, rows, weight, eps, params)
+        gate = rows["gate"]
         from fla.modules.layernorm_gated import rmsnorm_fn
 
         return (rmsnorm_fn(x, weight, None, z=gate, eps=eps, group_size=None,

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DISTS = ("flashinfer-python", "flashinfer")
 
@@ -88,15 +87,10 @@ class FlashInferBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"flashinfer backend: {reason}")
-        v.check_weight(weight, x)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         if weight.dtype != x.dtype:
             raise TypeError(f"weight: flashinfer needs the dtype of x, {x.dtype}, "
                             f"got {weight.dtype}")
-        eps = v.check_eps(eps)
         gemma = float(params.get("offset", 0.0)) == 1.0
         import flashinfer.norm as fi
 
@@ -104,7 +98,7 @@ class FlashInferBackend(Backend):
         if op == "rms_norm":
             fn = fi.gemma_rmsnorm if gemma else fi.rmsnorm
             return (fn(_rows(x), w, eps).reshape(x.shape),)
-        residual = v.check_like("residual", rows.get("residual"), x)
+        residual = rows["residual"]
         # in place on both: work on clones, never on the caller's tensors
         out = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)
         res = residual.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)

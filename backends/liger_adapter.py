@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DIST = "liger-kernel"
 
@@ -78,18 +77,13 @@ class LigerBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"liger backend: {reason}")
-        v.check_weight(weight, x)
-        eps = v.check_eps(eps)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         offset = float(params.get("offset", 0.0))
         if op == "rms_norm":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
             return (LigerRMSNormFunction.apply(x, weight, eps, offset, "gemma", False, None),)
-        residual = v.check_like("residual", rows.get("residual"), x)
+        residual = rows["residual"]
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
         y, s = LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, "gemma",

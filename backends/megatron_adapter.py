@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DIST = "megatron-core"
 MODULE = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -104,12 +103,7 @@ class MegatronBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"megatron backend: {reason}")
-        v.check_weight(weight, x)
-        eps = v.check_eps(eps)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         import importlib
 
         fn = importlib.import_module(MODULE).BatchInvariantRMSNormFn

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DISTS = ("transformer_engine", "transformer-engine", "transformer_engine_torch",
          "transformer-engine-torch")
@@ -100,12 +99,7 @@ class TransformerEngineBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"transformer_engine backend: {reason}")
-        v.check_weight(weight, x)
-        eps = v.check_eps(eps)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         zero_centered = float(params.get("offset", 0.0)) == 1.0
         if not (x.requires_grad or weight.requires_grad) or not torch.is_grad_enabled():
             with torch.no_grad():

@@ -74,9 +74,7 @@ class TransformersBackend(Backend):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        reason = self.supports(op, params, rows["x"].device.type)
-        if reason:
-            raise ValueError(f"transformers backend: {reason}")
+        self.check_call(op, rows, weight, eps, params)
         hidden = rows["x"].shape[-1]
         kind = "gated" if op == "rms_norm_gated" else "norm"
         module = _module(kind, hidden, eps, weight.dtype, str(weight.device))

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from normspec.registry import Backend, OpSupport
-from normspec.spec import validation as v
 
 DIST = "vllm"
 #: The IR-op priority vLLM's CUDA platform installs for an engine without
@@ -104,23 +103,9 @@ class _VllmBase(Backend):
             return f"vllm {_version()} failed to import: {type(exc).__name__}: {exc}"
         return None
 
-    def _checked(
-        self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, eps: float,
-        params: Mapping[str, Any],
-    ) -> tuple[torch.Tensor, float]:
-        x = v.check_input("x", rows.get("x"))
-        reason = self.supports(op, params, x.device.type)
-        if reason:
-            raise ValueError(f"{self.name} backend: {reason}")
-        v.check_weight(weight, x)
-        for name in rows:
-            if name != "x":
-                v.check_like(name, rows[name], x)
-        return x, v.check_eps(eps)
-
     def _run(self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor,
              eps: float, params: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-        x, eps = self._checked(op, rows, weight, eps, params)
+        x, eps = self.check_call(op, rows, weight, eps, params)
         device = x.device.type
         if op == "rms_norm_gated":
             act = _ACTIVATION[params.get("activation", "silu")]
@@ -202,7 +187,7 @@ class VllmCudaBackend(_VllmBase):
         self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, *,
         eps: float, **params: Any,
     ) -> tuple[torch.Tensor, ...]:
-        self._checked(op, rows, weight, eps, params)  # before importing vllm
+        self.check_call(op, rows, weight, eps, params)  # before importing vllm
         if op == "rms_norm_gated":
             return self._run(op, rows, weight, eps, params)
         from vllm import ir

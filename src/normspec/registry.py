@@ -28,7 +28,9 @@ from typing import Any, Literal
 
 import torch
 
-from .ops import Params
+from normspec.spec.validation import check_eps, check_input, check_like, check_weight
+
+from .ops import OPS, Params
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -120,6 +122,25 @@ class Backend:
         if op not in self.ops:
             return f"op {op!r} not implemented"
         return self.ops[op].unsupported(params, device)
+
+    def check_call(
+        self, op: str, rows: Mapping[str, torch.Tensor], weight: torch.Tensor, eps: float,
+        params: Params,
+    ) -> tuple[torch.Tensor, float]:
+        """Validate a [`forward`][normspec.registry.Backend.forward] call; returns ``(x, eps)``.
+
+        The spec's checks (``x``, the op's other row inputs shaped like ``x``,
+        the weight, ``eps``), then this backend's support of ``op`` and
+        ``params`` on ``x``'s device (a ``ValueError`` naming the backend).
+        """
+        x = check_input("x", rows.get("x"))
+        reason = self.supports(op, params, x.device.type)
+        if reason:
+            raise ValueError(f"{self.name} backend: {reason}")
+        for name in OPS[op].row_inputs[1:]:
+            check_like(name, rows.get(name), x)
+        check_weight(weight, x)
+        return x, check_eps(eps)
 
 
 @dataclass
