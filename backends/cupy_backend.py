@@ -66,6 +66,7 @@ __all__ = [
     "CSRC",
     "NVRTC_OPTIONS",
     "CupyBackend",
+    "NVRTCCompileError",
     "available",
     "backend",
     "backward_geometry",

@@ -201,7 +201,7 @@ def backends_page() -> str:
         entry = entries.get(ep.name)
         backend = entry.load() if entry else None
         ops = ", ".join(f"`{o}`" for o in (backend.ops if backend else {}))
-        lines.append(f"| [`{ep.name}`](#{ep.name.replace('_', '-')}) | `{ep.module}` "
+        lines.append(f"| [`{ep.name}`](#{ep.name}) | `{ep.module}` "
                      f"| {ops or '—'} |")
         sections += _backend_section(ep, entry, backend)
     return "\n".join([*lines, "", *sections])
