@@ -57,3 +57,12 @@ def test_conformance_quick_writes_reports_and_summary(tmp_path, capsys):
     for profile in ("cpu_fp32", "cpu_bf16"):
         report = json.loads((tmp_path / profile / "rms_norm.json").read_text())
         assert report["results"]["reference"]["level"]["forward"] == "exact"
+
+
+def test_public_api_is_reachable_from_the_package():
+    import normspec
+
+    backend = normspec.get_backend("reference")
+    result = normspec.check(backend, "rms_norm", normspec.get_profile("cpu_fp32"), quick=True)
+    assert result["level"] == {"forward": "exact", "gradient": "exact"}
+    assert "rms_norm_gated" in normspec.OPS and normspec.get_op("rms_norm").row_inputs == ("x",)
