@@ -98,10 +98,11 @@ def _libnvrtc():
     for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home:
             names += sorted(glob.glob(str(Path(home) / "lib64" / "libnvrtc.so*")))
-    try:
-        import nvidia.cuda_nvrtc as wheel  # pip wheel nvidia-cuda-nvrtc
+    try:  # pip wheel nvidia-cuda-nvrtc: nvidia/cuda_nvrtc/lib (CUDA 12), nvidia/cu13/lib (13)
+        import nvidia
 
-        names += sorted(glob.glob(str(Path(wheel.__path__[0]) / "lib" / "libnvrtc.so*")))
+        for root in nvidia.__path__:
+            names += sorted(glob.glob(str(Path(root) / "*" / "lib" / "libnvrtc.so*")))
     except ImportError:
         pass
     for name in names:
