@@ -33,22 +33,18 @@ Every path has FLA's own Triton backward (``full``).
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DIST = "fla-core"
 
 
 def _version(dist: str = DIST) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(dist)
 
 
 def _fla_version() -> str | None:

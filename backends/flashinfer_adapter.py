@@ -21,25 +21,19 @@ FlashInfer has no backward.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DISTS = ("flashinfer-python", "flashinfer")
 
 
 def _version() -> str | None:
-    for dist in DISTS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return installed_version(*DISTS)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -19,22 +19,18 @@ sum of one fp32 partial per SM, then cast to the weight dtype).
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DIST = "liger-kernel"
 
 
 def _version(dist: str = DIST) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(dist)
 
 
 class LigerBackend(Backend):

@@ -22,24 +22,20 @@ the real code as it is; the conformance report shows the consequence.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DIST = "megatron-core"
 MODULE = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
 
 def _version(dist: str = DIST) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(dist)
 
 
 @functools.lru_cache(maxsize=1)

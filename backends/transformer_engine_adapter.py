@@ -14,25 +14,19 @@ machinery does not promise to honour.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DISTS = ("transformer_engine", "transformer-engine", "transformer_engine_torch",
          "transformer-engine-torch")
 
 
 def _version() -> str | None:
-    for dist in DISTS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return installed_version(*DISTS)
 
 
 def _module(hidden: int, eps: float, zero_centered: bool, weight: torch.Tensor):

@@ -15,20 +15,16 @@ that weight through ordinary autograd.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 
 def _version() -> str | None:
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("transformers")
 
 
 @functools.lru_cache(maxsize=64)

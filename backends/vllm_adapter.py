@@ -43,13 +43,12 @@ vLLM is inference-only: backward is ``none`` for both backends.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from normspec.registry import Backend, OpSupport
+from normspec.registry import Backend, OpSupport, installed_version
 
 DIST = "vllm"
 #: The IR-op priority vLLM's CUDA platform installs for an engine without
@@ -59,10 +58,7 @@ _ACTIVATION = {"silu": "silu", "sigmoid": "sigmoid"}
 
 
 def _version() -> str | None:
-    try:
-        return importlib.metadata.version(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version(DIST)
 
 
 @functools.lru_cache(maxsize=4)

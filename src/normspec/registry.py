@@ -40,6 +40,7 @@ __all__ = [
     "UnknownBackendError",
     "entries",
     "get_backend",
+    "installed_version",
     "iter_backends",
     "register",
     "unregister",
@@ -47,6 +48,20 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "normspec.backends"
 BackwardSupport = Literal["full", "x-only", "none"]
+
+
+def installed_version(*distributions: str) -> str | None:
+    """Version of the first of ``distributions`` that is installed, else ``None``.
+
+    For a backend's ``library_version`` and ``available``; several names
+    cover a library published under more than one distribution name.
+    """
+    for dist in distributions:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 class UnknownBackendError(KeyError):
