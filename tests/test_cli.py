@@ -66,3 +66,26 @@ def test_public_api_is_reachable_from_the_package():
     result = normspec.check(backend, "rms_norm", normspec.get_profile("cpu_fp32"), quick=True)
     assert result["level"] == {"forward": "exact", "gradient": "exact"}
     assert "rms_norm_gated" in normspec.OPS and normspec.get_op("rms_norm").row_inputs == ("x",)
+
+
+def test_require_gates_the_exit_code(tmp_path, capsys):
+    common = ["conformance", "--device", "cpu", "--quick", "--op", "rms_norm", "--out",
+              str(tmp_path), "--backend", "reference", "--backend", "transformers"]
+    assert main([*common, "--require", "reference=exact"]) == 0
+    assert main([*common, "--require", "transformers=accurate"]) == 0
+    assert main([*common, "--require", "transformers=exact"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED require transformers=exact: cpu_fp32 rms_norm forward=accurate" in out
+
+
+def test_require_fails_when_the_backend_never_ran(tmp_path, capsys):
+    rc = main(["conformance", "--device", "cpu", "--quick", "--op", "rms_norm", "--out",
+               str(tmp_path), "--backend", "liger", "--require", "liger=accurate"])
+    assert rc == 1
+    assert "it ran in no report" in capsys.readouterr().out
+
+
+def test_require_rejects_a_malformed_level(tmp_path, capsys):
+    assert main(["conformance", "--device", "cpu", "--quick", "--out", str(tmp_path),
+                 "--require", "reference=perfect"]) == 2
+    assert "require: expected BACKEND=LEVEL" in capsys.readouterr().out

@@ -14,7 +14,13 @@ from rich.table import Table
 
 from . import harness, registry
 from .compare import add_compare_parser, run_compare_command
-from .conformance import default_device, run_conformance, summary_table
+from .conformance import (
+    default_device,
+    parse_requirements,
+    requirement_failures,
+    run_conformance,
+    summary_table,
+)
 from .ops import OPS
 from .profiles import PROFILES, get_profile
 from .report import build_report
@@ -64,6 +70,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     device = args.device or default_device()
+    required = parse_requirements(args.require or [])
     reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
                               ops=args.op, profiles=args.profile, seeds=args.seeds,
                               out_dir=Path(args.out),
@@ -75,7 +82,10 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
             for line in _failed_lines(res)[:5]:
                 console.print(f"{r['profile']} {name}: {line}", markup=False, highlight=False,
                               soft_wrap=True)
-    return 0
+    problems = requirement_failures(reports, required)
+    for line in problems:
+        console.print(f"[red]FAILED[/] {line}", highlight=False, soft_wrap=True)
+    return 1 if problems else 0
 
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:
@@ -116,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="restrict to these profiles (default: every profile of the device)")
     k.add_argument("--seeds", type=int, default=None)
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
+    k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
+                   help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
+                        "accurate) in every report, forward and gradient (repeatable)")
     add_compare_parser(sub)
     sub.add_parser("build", help="build the backends that compile code (torch extension)")
     return p

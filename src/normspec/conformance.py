@@ -16,7 +16,14 @@ from .ops import OPS
 from .profiles import PROFILES, Profile
 from .report import build_report, write_report
 
-__all__ = ["default_device", "profiles_for", "run_conformance", "summary_table"]
+__all__ = [
+    "default_device",
+    "parse_requirements",
+    "profiles_for",
+    "requirement_failures",
+    "run_conformance",
+    "summary_table",
+]
 
 LEVEL_STYLE = {"exact": "bold green", "invariant": "green", "accurate": "yellow",
                "fails": "bold red", "unavailable": "dim", "none": "dim"}
@@ -130,3 +137,51 @@ def summary_table(reports: list[dict[str, Any]]) -> Table:
                 cells.append(f"[{LEVEL_STYLE[f]}]{f}[/] / [{LEVEL_STYLE.get(g, '')}]{g}[/]")
         table.add_row(b, *cells)
     return table
+
+
+def parse_requirements(specs: Sequence[str]) -> dict[str, str]:
+    """``["torch_ext=exact", "liger=accurate"]`` -> ``{"torch_ext": "exact", ...}``."""
+    from .gates import LEVELS
+
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, level = spec.partition("=")
+        if not sep or not name or level not in LEVELS[:3]:
+            raise ValueError(
+                f"require: expected BACKEND=LEVEL with LEVEL in {LEVELS[:3]}, got {spec!r}"
+            )
+        out[name] = level
+    return out
+
+
+def requirement_failures(
+    reports: list[dict[str, Any]], required: dict[str, str]
+) -> list[str]:
+    """One line per (report, backend, gate) whose level is worse than required.
+
+    Reports in which the backend did not run (an op it does not implement)
+    and gradients of backends without a backward are not judged; a required
+    backend that ran in no report at all fails, so that a CI gate cannot pass
+    because the thing it guards did not run.
+    """
+    from .gates import LEVELS
+
+    rank = {level: i for i, level in enumerate(LEVELS)}
+    problems: list[str] = []
+    for name, want in required.items():
+        ran = False
+        for r in reports:
+            res = r["results"].get(name)
+            if res is None or res["level"]["forward"] == "unavailable":
+                continue
+            ran = True
+            for gate, level in res["level"].items():
+                if level != "none" and rank[level] > rank[want]:
+                    problems.append(f"require {name}={want}: {r['profile']} {r['op']} "
+                                    f"{gate}={level}")
+        if not ran:
+            reasons = {res.get("unavailable") for r in reports
+                       if (res := r["results"].get(name)) is not None} - {None}
+            problems.append(f"require {name}={want}: it ran in no report"
+                            + (f" ({'; '.join(sorted(reasons))})" if reasons else ""))
+    return problems
