@@ -186,3 +186,35 @@ def test_reference_is_exact_on_the_tiny_profile():
     for op in ("rms_norm", "fused_add_rms_norm", "rms_norm_gated"):
         result = check(backend, op, PROFILE)
         assert result["level"] == {"forward": "exact", "gradient": "exact"}, op
+
+
+def test_x_only_backward_is_judged_on_row_gradients_alone():
+    from normspec.backends.reference import backend as ref
+
+    class XOnly(Backend):
+        name, source = "x-only", "reference with backward declared x-only"
+        ops = {"rms_norm": OpSupport(backward="x-only", devices=("cpu",))}
+
+        def forward(self, op, rows, weight, *, eps, **params):
+            # the weight's gradient is cut: only dx is promised
+            return ref.forward(op, rows, weight.detach(), eps=eps, **params)
+
+    result = check(XOnly(), "rms_norm", PROFILE)
+    assert result["backward"] == "x-only"
+    assert result["level"] == {"forward": "exact", "gradient": "exact"}
+    assert set(result["contract_gates"]["gradient"]["statistics"]) == {"dx"}
+
+
+def test_no_backward_gives_gradient_level_none():
+    from normspec.backends.reference import backend as ref
+
+    class ForwardOnly(Backend):
+        name, source = "forward-only", "reference with no backward"
+        ops = {"rms_norm": OpSupport(backward="none", devices=("cpu",))}
+
+        def forward(self, op, rows, weight, *, eps, **params):
+            with torch.no_grad():
+                return ref.forward(op, rows, weight, eps=eps, **params)
+
+    result = check(ForwardOnly(), "rms_norm", PROFILE)
+    assert result["level"] == {"forward": "exact", "gradient": "none"}
