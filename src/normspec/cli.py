@@ -16,6 +16,7 @@ from . import harness, registry
 from .compare import add_compare_parser, run_compare_command
 from .conformance import (
     default_device,
+    not_run,
     parse_requirements,
     requirement_failures,
     run_conformance,
@@ -75,13 +76,16 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
                               ops=args.op, profiles=args.profile, seeds=args.seeds,
                               out_dir=Path(args.out),
                               command=_command(), console=console)
-    console.print(summary_table(reports))
-    console.print(f"reports written under {args.out}/")
+    # failing lines first (up to 5 per report and backend), the summary table last
     for r in reports:
         for name, res in r["results"].items():
             for line in _failed_lines(res)[:5]:
                 console.print(f"{r['profile']} {name}: {line}", markup=False, highlight=False,
                               soft_wrap=True)
+    console.print(summary_table(reports))
+    for name, reason in not_run(reports).items():
+        console.print(f"not run here: {name}: {reason}", highlight=False, soft_wrap=True)
+    console.print(f"reports written under {args.out}/")
     problems = requirement_failures(reports, required)
     for line in problems:
         console.print(f"[red]FAILED[/] {line}", highlight=False, soft_wrap=True)
@@ -138,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``normspec`` command."""
     args = _parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # logs (CI, nox): tables need room, nobody resizes a log
+        console = Console(width=max(console.width, 160))
     handlers = {"list": _cmd_list, "check": _cmd_check, "conformance": _cmd_conformance,
                 "build": _cmd_build, "compare": run_compare_command}
     try:

@@ -18,6 +18,7 @@ from .report import build_report, write_report
 
 __all__ = [
     "default_device",
+    "not_run",
     "parse_requirements",
     "profiles_for",
     "requirement_failures",
@@ -115,14 +116,27 @@ def run_conformance(
     return reports
 
 
+def not_run(reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Backends that ran in no report, with the first reason given."""
+    ran = {b for r in reports for b, res in r["results"].items()
+           if res["level"]["forward"] != "unavailable"}
+    reasons: dict[str, str] = {}
+    for r in reports:
+        for b, res in r["results"].items():
+            if b not in ran:
+                reasons.setdefault(b, str(res.get("unavailable") or "unavailable"))
+    return dict(sorted(reasons.items()))
+
+
 def summary_table(reports: list[dict[str, Any]]) -> Table:
-    """Backend × (profile, op) table of forward / gradient levels."""
+    """Backend × (profile, op) table of forward / gradient levels (backends that ran)."""
     table = Table(title="normspec conformance (forward / gradient)")
     table.add_column("backend", style="bold")
     columns = [(r["profile"], r["op"]) for r in reports]
     for prof, op in columns:
         table.add_column(f"{prof}\n{op}")
-    backends = sorted({b for r in reports for b in r["results"]})
+    backends = sorted({b for r in reports for b, res in r["results"].items()
+                       if res["level"]["forward"] != "unavailable"})
     for b in backends:
         cells = []
         for r in reports:
