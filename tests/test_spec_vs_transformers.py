@@ -3,9 +3,12 @@
 Observed (transformers 5.24.0, torch 2.13 CPU): the spec and transformers
 differ only where transformers leaves the order open — the row mean (torch's
 reduction order) and the approximate ``rsqrt``, and torch's own ``silu`` in the
-gated norm. Their cast points agree, which these tests show by comparing the
-matching convention with the other one: the matching convention agrees on
-far more elements than the other does.
+gated norm. In fp32 that shows: 86.6% of the decoder norm's elements are bitwise
+equal, at most 4 ulp apart. In bf16 the final rounding hides it: the decoder norm
+(256×2048) and the "hf" gated norm (4096×128) were 100% bitwise equal, while the
+"vllm" convention matched transformers' gated norm on only 65.6% (max 2 ulp) —
+the cast points are what the conventions differ in, and the spec reproduces
+transformers'. The assertions keep a small margin below what was observed.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def test_zero_centred_norm_fp32_differs_only_by_rstd_rounding():
         hf = _hf_rms_norm(w)(x)
     equal, worst = _agreement(spec.rms_norm(x, w, eps=1e-6, offset=1.0), hf)
     assert worst <= 4          # a few ulp from the mean / rsqrt
-    assert equal > 0.3
+    assert equal > 0.8
 
 
 def test_zero_centred_norm_bf16_cast_point_reproduced():
@@ -58,7 +61,7 @@ def test_zero_centred_norm_bf16_cast_point_reproduced():
     with torch.no_grad():
         hf = _hf_rms_norm(w)(x)
     equal, worst = _agreement(spec.rms_norm(x, w, eps=1e-6, offset=1.0), hf)
-    assert worst <= 1 and equal > 0.99
+    assert worst <= 1 and equal > 0.999
 
 
 def test_gated_hf_convention_matches_transformers_cast_points():
@@ -72,9 +75,9 @@ def test_gated_hf_convention_matches_transformers_cast_points():
         hf = _hf_gated(w)(x, z)
     eq_hf, worst_hf = _agreement(spec.rms_norm_gated(x, z, w, eps=1e-6, convention="hf"), hf)
     eq_vllm, _ = _agreement(spec.rms_norm_gated(x, z, w, eps=1e-6, convention="vllm"), hf)
-    assert worst_hf <= 2
-    assert eq_hf > 0.98
-    assert eq_vllm < eq_hf - 0.05
+    assert worst_hf <= 1
+    assert eq_hf > 0.999
+    assert eq_vllm < 0.9
 
 
 def test_gated_fp32_conventions_coincide_and_match_transformers_closely():
