@@ -218,3 +218,21 @@ def test_no_backward_gives_gradient_level_none():
 
     result = check(ForwardOnly(), "rms_norm", PROFILE)
     assert result["level"] == {"forward": "exact", "gradient": "none"}
+
+
+def test_a_failing_gate_carries_a_runnable_repro(monkeypatch):
+    from normspec import registry
+
+    backend = Wrong("scaled-repro", scale=1.01)
+    registry.register(backend)
+    try:
+        result = check(backend, "rms_norm", PROFILE)
+        repro = result["contract_gates"]["forward"]["repro"]
+        scope: dict = {}
+        exec(repro, scope)  # the snippet rebuilds the failing case and runs both sides
+        assert not torch.equal(scope["got"][0], scope["want"][0])
+        assert result["contract_gates"]["forward"]["failed_lines"]
+    finally:
+        registry.unregister("scaled-repro")
+    ok = check(Wrong("fine"), "rms_norm", PROFILE)
+    assert ok["contract_gates"]["forward"]["repro"] is None

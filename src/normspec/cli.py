@@ -64,6 +64,10 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
                   f"gradient={level['gradient']}")
     for line in _failed_lines(result):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for gate, outcome in result.get("contract_gates", {}).items():
+        if outcome.get("repro"):
+            console.print(f"# repro of the first failing {gate} case:", highlight=False)
+            console.print(outcome["repro"], markup=False, highlight=False, soft_wrap=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 1 if "fails" in level.values() else 0

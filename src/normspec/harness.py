@@ -32,7 +32,7 @@ from .profiles import Profile
 from .registry import Backend
 from .transforms import TRANSFORMS, RowFunction
 
-__all__ = ["Case", "GateResult", "check", "iter_cases"]
+__all__ = ["Case", "GateResult", "check", "iter_cases", "repro_snippet"]
 
 MAX_LINES = 200
 
@@ -63,6 +63,10 @@ class GateResult:
     mismatch_lines: list[str] = field(default_factory=list)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     ran: int = 0
+    #: Python that rebuilds the inputs of the case being checked.
+    current_repro: str = ""
+    #: ``current_repro`` of the first case that failed this gate.
+    repro: str | None = None
 
     @property
     def level(self) -> str:
@@ -76,6 +80,8 @@ class GateResult:
         return self.level in ("exact", "invariant")
 
     def fail(self, line: str) -> None:
+        if self.repro is None:
+            self.repro = self.current_repro
         if len(self.failed_lines) < MAX_LINES:
             self.failed_lines.append(line)
 
@@ -106,7 +112,7 @@ class GateResult:
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "level": self.level, "failed_lines": self.failed_lines,
                 "mismatch_lines": self.mismatch_lines, "statistics": self.stats,
-                "comparisons": self.ran}
+                "comparisons": self.ran, "repro": self.repro}
 
 
 def iter_cases(
@@ -118,6 +124,21 @@ def iter_cases(
             for wdt in profile.weight_dtypes():
                 for seed in profile.seeds(quick, seeds):
                     yield Case(dict(params), shape, wdt, seed)
+
+
+def repro_snippet(backend: Backend, op: OpDef, profile: Profile, case: Case) -> str:
+    """Python that rebuilds a case's inputs and runs the backend and the spec on them."""
+    wdtype = "torch.float32" if case.weight_dtype == "fp32" else f"torch.{profile.dtype_name}"
+    return "\n".join([
+        "import torch, normspec",
+        f"op = normspec.get_op({op.name!r})",
+        f"s = op.make_sample({tuple(case.shape)!r}, torch.{profile.dtype_name}, "
+        f"params={case.params!r}, seed={case.seed}, weight_dtype={wdtype}, "
+        f"device={profile.device!r})",
+        f"got = normspec.get_backend({backend.name!r}).forward(op.name, s.rows, s.weight, "
+        "eps=s.eps, **s.params)",
+        "want = op.spec_forward(s)",
+    ])
 
 
 def _sample(op: OpDef, profile: Profile, case: Case) -> Sample:
@@ -177,6 +198,7 @@ def _invariance(
 def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: GateResult,
                 grad: GateResult, backward: str) -> None:
     label = op.name + case.label(profile)
+    fwd.current_repro = grad.current_repro = repro_snippet(backend, op, profile, case)
     sample = _sample(op, profile, case)
     rows = sample.row_list(op)
     f = _forward_fn(backend, op, sample)
