@@ -26,6 +26,11 @@ Rules
 * **`exp`** is [`exp_fp32`][normspec.spec.arithmetic.exp_fp32], a declared
   algorithm built only from correctly rounded operations; `sigmoid` and
   `silu` are defined on top of it.
+* **NaN**: where a step yields NaN the result is NaN, but its sign and payload
+  are not specified — IEEE leaves them open and devices differ (x86 gives a
+  negative default NaN for `inf · 0`, CUDA `0x7fffffff`; torch rounds a NaN to
+  bf16 as `0x7fc0` on the CPU and `0x7fff` on CUDA). "Bitwise equal" means
+  equal bits everywhere else and NaN in the same places.
 """
 
 from __future__ import annotations
