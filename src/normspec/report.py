@@ -62,7 +62,9 @@ def git_state(root: Path | None = None) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # reports/ is this command's output, not an input: rewriting it is not "dirty"
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no",
+                                     "--", ".", ":(exclude)reports"],
                                     cwd=root, capture_output=True, text=True, check=True,
                                     timeout=10).stdout.strip())
         return {"commit": commit, "dirty": dirty}
