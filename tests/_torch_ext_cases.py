@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from normspec import spec
+from normspec.ops import OPS
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -27,9 +28,8 @@ VARIANTS = (
     ("rms_norm_gated", {"convention": "hf", "activation": "sigmoid"}),
 )
 
-ROW_INPUTS = {"rms_norm": ("x",), "fused_add_rms_norm": ("x", "residual"),
-              "rms_norm_gated": ("x", "gate")}
-N_OUT = {"rms_norm": 1, "fused_add_rms_norm": 2, "rms_norm_gated": 1}
+ROW_INPUTS = {name: op.row_inputs for name, op in OPS.items()}
+N_OUT = {name: len(op.outputs) for name, op in OPS.items()}
 
 SPECIALS = {
     F32: [0.0, -0.0, 1e-40, -3e-39, 1e-45, 3e38, float("inf"), float("-inf"), float("nan")],
