@@ -32,12 +32,15 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
+#: The torch-free translation units: the entry points and one per dtype.
+LAUNCH_UNITS = ("normspec_launch.cu", "normspec_launch_f32.cu", "normspec_launch_bf16.cu",
+                "normspec_launch_f16.cu")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
 def test_kernel_sources_include_no_torch_header():
-    for name in ("normspec_kernels.cuh", "normspec_arith.h", "normspec_launch.h",
-                 "normspec_launch.cu"):
+    for name in ("normspec_kernels.cuh", "normspec_pipe.cuh", "normspec_arith.h",
+                 "normspec_launch.h", "normspec_launch_impl.cuh", *LAUNCH_UNITS):
         text = (CSRC / name).read_text()
         includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', text)
         bad = [i for i in includes if i.split("/")[0] in {"torch", "ATen", "c10"}]
@@ -46,12 +49,40 @@ def test_kernel_sources_include_no_torch_header():
 
 @needs_nvcc
 def test_kernels_compile_for_sm90(tmp_path):
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC",
-           "-I", str(CSRC), "-c", str(CSRC / "normspec_launch.cu"), "-o",
-           str(tmp_path / "normspec_launch.o")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    """Every launch unit compiles (in parallel, as the extension build does), they link into
+    one library, and the
+    dispatcher's per-dtype entry points are exactly what the dtype units define."""
+    procs = {}
+    for name in LAUNCH_UNITS:
+        obj = tmp_path / (name + ".o")
+        cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC",
+               "-I", str(CSRC), "-c", str(CSRC / name), "-o", str(obj)]
+        procs[name] = (obj, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True))
+    for name, (obj, proc) in procs.items():
+        _, err = proc.communicate()
+        assert proc.returncode == 0, f"{name}:\n{err[-6000:]}"
+        assert obj.stat().st_size > 0
+    # the units link together (no symbol defined twice)
+    lib = tmp_path / "libnormspec_launch.so"
+    done = subprocess.run([NVCC, "-shared", "-o", str(lib), *(str(o) for o, _ in procs.values())],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-6000:]
-    assert (tmp_path / "normspec_launch.o").stat().st_size > 0
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    def symbols(name: str, kinds: str) -> set[str]:
+        out = subprocess.run([nm, "-C", str(procs[name][0])], capture_output=True, text=True,
+                             check=True).stdout
+        found = (re.match(r"^\s*(?:[0-9a-fA-F]+\s+)?([A-Za-z])\s+(.*)$", line)
+                 for line in out.splitlines())
+        return {m.group(2) for m in found
+                if m and m.group(1) in kinds and "dispatch_op<" in m.group(2)}
+
+    wanted = symbols("normspec_launch.cu", "U")
+    assert len(wanted) == 3, wanted
+    defined = set().union(*(symbols(name, "WT") for name in LAUNCH_UNITS[1:]))
+    assert wanted <= defined, wanted - defined
 
 
 @needs_nvcc

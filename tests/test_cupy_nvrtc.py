@@ -172,6 +172,9 @@ def _nvcc() -> str | None:
 
 GEO_MAIN = r"""
 #include "normspec_launch.cu"
+#include "normspec_launch_f32.cu"
+#include "normspec_launch_bf16.cu"
+#include "normspec_launch_f16.cu"
 #include <cstdio>
 int main() {
   using namespace normspec;

@@ -180,3 +180,47 @@ def test_opcheck_cuda():
                                                    1e-6, 0.0, "rounded"))
     torch.library.opcheck(ops.rms_norm_gated, (x, x.detach().clone().requires_grad_(), w, 1e-6,
                                                "hf", "sigmoid"))
+
+
+# ---- the pipelined kernels under every geometry override ------------------------------
+# The overrides are read once per process, so each setting runs in a child process.
+OVERRIDE_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import test_torch_ext_cuda as t
+from _torch_ext_cases import VARIANTS
+t.te.build()
+for shape in [(1000, 2048), (20000, 128), (333, 1003), (77, 4100), (4097, 8)]:
+    for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9], VARIANTS[3]):
+        t.check_case(op, params, shape, torch.bfloat16, torch.float32, 5, specials=True)
+t.check_case("rms_norm", {"offset": 0.0}, (3000, 512), torch.float32, torch.float32, 6,
+             specials=True)
+print("ok")
+"""
+
+OVERRIDES = [
+    {"NORMSPEC_BWD_GLOG": "5"},
+    {"NORMSPEC_BWD_GLOG": "2", "NORMSPEC_FWD_TEAM": "64", "NORMSPEC_BWD_TEAM": "64"},
+    {"NORMSPEC_FWD_TEAM": "128", "NORMSPEC_BWD_TEAM": "32", "NORMSPEC_BWD_GLOG": "0"},
+    {"NORMSPEC_PIPE": "0"},
+]
+
+
+@pytest.mark.parametrize("env", OVERRIDES, ids=lambda e: ",".join(f"{k[9:]}={v}"
+                                                                   for k, v in e.items()))
+def test_geometry_overrides_bitwise(env):
+    """Every team size, pass count and dweight group size gives the spec's bits (the
+    persistent loop, the prefetch across rows and groups, and the shared-memory stacks
+    all run: these shapes have more rows than the grid has teams)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", OVERRIDE_CHILD, tests], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        f"{env}: rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    assert "ignoring" not in done.stderr, done.stderr[-2000:]

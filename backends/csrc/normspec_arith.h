@@ -78,8 +78,15 @@ NS_HD float sqrt_rn(float a) {
 // a / n for a row length n, formed in double and rounded once: equal to the
 // correctly rounded fp32 quotient whenever n is exact in fp32, and equal to
 // the spec's float64 formula for every n.
+//
+// On the device a power-of-two n (every hidden size the models use) takes a
+// shortcut with the same result: a / 2**k is exact in double (no double
+// underflow for k <= 62), so rounding it to fp32 is the correctly rounded
+// product a * 2**-k, which is what __fmul_rn gives (2**-k is a normal fp32).
+NS_HD float pow2i(int e);
 NS_HD float div_by_count(float a, long long n) {
 #if defined(__CUDA_ARCH__)
+  if (n > 0 && (n & (n - 1)) == 0) return __fmul_rn(a, pow2i(1 - __ffsll(n)));
   return __double2float_rn(__ddiv_rn(static_cast<double>(a), static_cast<double>(n)));
 #else
   return static_cast<float>(static_cast<double>(a) / static_cast<double>(n));

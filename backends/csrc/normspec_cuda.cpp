@@ -79,7 +79,7 @@ void forward(int op, const at::Tensor& x, LaunchArgs a) {
 at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dt = dtype_code(x.scalar_type());
-  const BackwardPlan plan = backward_plan(dt, a.rows, a.H, sm_count());
+  const BackwardPlan plan = backward_plan_for(dt, a, sm_count());
   const at::TensorOptions fopts = x.options().dtype(at::kFloat);
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));

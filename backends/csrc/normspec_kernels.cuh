@@ -677,6 +677,7 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+#ifndef NORMSPEC_NO_COL_TREE  // defined by the per-dtype launch units: one definition only
 // One level of the dweight row tree: out[o] = tree of in[o*C .. o*C + C)
 // (rows beyond G are +0.0 padding), C = 2**clog <= 16, o < ceil(G / C).
 // blockDim.x threads over columns, grid (ceil(H / blockDim.x), any).
@@ -706,3 +707,4 @@ __global__ void __launch_bounds__(256)
     out[o * H + col] = v[0];
   }
 }
+#endif  // NORMSPEC_NO_COL_TREE

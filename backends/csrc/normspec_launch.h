@@ -28,12 +28,21 @@ struct LaunchArgs {
 
 // The backward's dweight plan: each team reduces groups of 2**glog rows and
 // writes `groups` fp32 rows of H to the workspace.
+// pipe = 1: the pipelined kernel (normspec_pipe.cuh) with teams of
+// 2**team_log threads and np passes; 0: the register / streaming kernels.
 struct BackwardPlan {
   int glog = 0;
   long long groups = 0;
+  int pipe = 0;
+  int team_log = 0;
+  int np = 0;
 };
 
+// The plan of the register / streaming kernels (mirrored by the CuPy backend).
 BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count);
+// The plan for this call: the pipelined kernel when every row is 16-byte
+// aligned and short enough, else backward_plan().
+BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count);
 
 // Kernel launches on `stream`; they return cudaGetLastError().
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);

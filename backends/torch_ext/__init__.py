@@ -1,11 +1,24 @@
 """``normspec.backends.torch_ext``: first-party C++/CUDA kernels as torch operators.
 
 The operators ``torch.ops.normspec.*`` (schemas declared once in
-``csrc/normspec_ops.cpp``; CPU kernels in ``normspec_cpu.cpp``, CUDA kernels in
-``normspec_kernels.cuh``, launched by ``normspec_launch.cu`` from
-``normspec_cuda.cpp``) are bitwise equal to the spec, forward and backward.
-The extension is compiled on first use (or ahead of time by
-``normspec build``) and cached.
+``csrc/normspec_ops.cpp``; CPU kernels in ``normspec_cpu.cpp``; CUDA kernels in
+``normspec_pipe.cuh`` and ``normspec_kernels.cuh``, launched by
+``normspec_launch*.cu`` from ``normspec_cuda.cpp``) are bitwise equal to the
+spec, forward and backward. The extension is compiled on first use (or ahead
+of time by ``normspec build``; the CUDA kernels of each dtype are a translation
+unit of their own, compiled in parallel) and cached.
+
+CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at
+most 1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the
+*pipelined* kernels: persistent teams that read the weight once, load the next
+row while reducing the current one, and keep the backward's dweight stacks in
+shared memory. Other rows (unaligned views, longer rows) run on the register
+and streaming kernels, which the CuPy backend shares. Every geometry gives the
+same bits; these variables only change speed (read once per process):
+
+* ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
+* ``NORMSPEC_FWD_TEAM`` / ``NORMSPEC_BWD_TEAM``: threads per row (a power of two);
+* ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..5).
 
 Python API (validation errors are the spec's):
 

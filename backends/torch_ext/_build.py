@@ -24,9 +24,12 @@ __all__ = ["CSRC", "available", "build", "build_directory", "cuda_build_possible
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 CPU_SOURCES = ("normspec_ops.cpp", "normspec_cpu.cpp")
-CUDA_SOURCES = ("normspec_cuda.cpp", "normspec_launch.cu")
+#: The kernels of each dtype are a translation unit of their own, compiled in parallel.
+CUDA_SOURCES = ("normspec_cuda.cpp", "normspec_launch.cu", "normspec_launch_f32.cu",
+                "normspec_launch_bf16.cu", "normspec_launch_f16.cu")
 #: Files that every translation unit depends on (a change forces a rebuild).
-HEADERS = ("normspec_arith.h", "normspec_host.h", "normspec_kernels.cuh", "normspec_launch.h")
+HEADERS = ("normspec_arith.h", "normspec_host.h", "normspec_kernels.cuh", "normspec_launch.h",
+           "normspec_launch_impl.cuh", "normspec_pipe.cuh")
 
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 CUDA_CFLAGS = [

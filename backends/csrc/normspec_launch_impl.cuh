@@ -1,0 +1,378 @@
+// The launch machinery of the normspec CUDA kernels (torch-free), shared by
+// normspec_launch.cu (the entry points of normspec_launch.h) and the three
+// per-dtype translation units normspec_launch_{f32,bf16,f16}.cu, which each
+// instantiate the kernels of one dtype, so that a build compiles them in
+// parallel.
+//
+// Geometry: a team of `threads` threads (a power of two, 32..1024) handles a
+// row; rows whose padded length fits in registers use the register kernels
+// with NP passes, longer rows the streaming kernels.
+//
+// Tuning override (read once per process, at the first launch or plan):
+//   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 32..1024)
+//   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 32..256: the backward kernel's bound)
+// replace the team size of the register kernels; NP is then the smallest of
+// 1, 2, 4 with NP * threads * VEC >= H, and where none fits the default
+// geometry (possibly the streaming kernel) is kept. Every geometry gives the
+// same bits (the reductions follow the spec's tree by index). Invalid values
+// are ignored with one warning on stderr.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "normspec_launch.h"
+#include "normspec_pipe.cuh"
+
+namespace normspec {
+namespace launch_detail {
+
+struct Geometry {
+  int threads;  // per team (a row)
+  int np;       // passes held in registers; 0 = streaming kernel
+};
+
+inline int vec_of(int dtype) { return dtype == DT_F32 ? 4 : 8; }
+
+inline Geometry default_geometry(long long H, int vec) {
+  const long long nvec = (H + vec - 1) / vec;
+  if (nvec <= 32) return {32, 1};
+  if (nvec <= 1024) return {static_cast<int>(next_pow2(nvec)), 1};
+  if (nvec <= 2048) return {1024, 2};
+  if (nvec <= 4096) return {1024, 4};
+  return {1024, 0};
+}
+
+// The backward keeps more per element (dxhat, the dweight stacks): teams of
+// at most 256 threads.
+inline Geometry default_backward_geometry(long long H, int vec) {
+  const long long nvec = (H + vec - 1) / vec;
+  if (nvec <= 32) return {32, 1};
+  if (nvec <= 256) return {static_cast<int>(next_pow2(nvec)), 1};
+  if (nvec <= 512) return {256, 2};
+  if (nvec <= 1024) return {256, 4};
+  return {1024, 0};
+}
+
+// The team size in environment variable `name` (0 = unset or invalid).
+inline int team_from_env(const char* name, int max_threads) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s, &end, 10);
+  if (errno == 0 && end != s && *end == '\0' && v >= 32 && v <= max_threads &&
+      (v & (v - 1)) == 0)
+    return static_cast<int>(v);
+  std::fprintf(stderr,
+               "normspec: ignoring %s=%s (expected a power of two in 32..%d); "
+               "using the default geometry\n",
+               name, s, max_threads);
+  return 0;
+}
+
+inline int forward_team_override() {
+  static const int threads = team_from_env("NORMSPEC_FWD_TEAM", 1024);
+  return threads;
+}
+
+inline int backward_team_override() {
+  static const int threads = team_from_env("NORMSPEC_BWD_TEAM", 256);
+  return threads;
+}
+
+// NORMSPEC_BWD_GLOG=<0..5>: rows per dweight group (log2) of the pipelined
+// backward, capped by its shared memory (-1 = unset: the plan decides).
+inline int group_log_override() {
+  static const int glog = [] {
+    const char* s = std::getenv("NORMSPEC_BWD_GLOG");
+    if (s == nullptr || *s == '\0') return -1;
+    if (s[1] == '\0' && s[0] >= '0' && s[0] <= '5') return s[0] - '0';
+    std::fprintf(stderr, "normspec: ignoring NORMSPEC_BWD_GLOG=%s (expected 0..5)\n", s);
+    return -1;
+  }();
+  return glog;
+}
+
+// `threads` per team with the fewest passes (1, 2 or 4) that cover H; `fallback`
+// when there is no override or no pass count fits.
+inline Geometry with_team(int threads, long long H, int vec, Geometry fallback) {
+  if (threads <= 0) return fallback;
+  for (int np = 1; np <= 4; np *= 2)
+    if (static_cast<long long>(np) * threads * vec >= H) return {threads, np};
+  return fallback;
+}
+
+inline Geometry geometry(long long H, int vec) {
+  return with_team(forward_team_override(), H, vec, default_geometry(H, vec));
+}
+
+// backward_plan and the launch both use this (the plan's glog bound and
+// blocks per SM follow the team).
+inline Geometry backward_geometry(long long H, int vec) {
+  return with_team(backward_team_override(), H, vec, default_backward_geometry(H, vec));
+}
+
+inline int max_group_log(int np) {
+  switch (np) {
+    case 1:
+      return MaxGroupLog<1>::value;
+    case 2:
+      return MaxGroupLog<2>::value;
+    case 4:
+      return MaxGroupLog<4>::value;
+    default:
+      return 0;
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+inline bool rows_aligned(const void* p, long long stride, int esize) {
+  return p == nullptr || (aligned16(p) && (stride * esize) % 16 == 0);
+}
+
+inline unsigned grid_for(long long units, int per_block) {
+  long long blocks = (units + per_block - 1) / per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > (1LL << 30)) blocks = 1LL << 30;
+  return static_cast<unsigned>(blocks);
+}
+
+inline void set_alignment(LaunchArgs& a, int esize) {
+  const bool ok = rows_aligned(a.x, a.sx, esize) && rows_aligned(a.r, a.sr, esize) &&
+                  rows_aligned(a.dy, a.sdy, esize) && rows_aligned(a.dres, a.sdres, esize) &&
+                  rows_aligned(a.y, a.sy, esize) && rows_aligned(a.y2, a.sy2, esize) &&
+                  (a.w == nullptr || aligned16(a.w));
+  if (ok) a.flags |= F_ALIGNED;
+}
+
+// ---- the pipelined kernels (normspec_pipe.cuh) ------------------------------------
+// Used for 16-byte aligned rows of at most 1024 vectors (teams of <= 256 threads,
+// NP <= 4); NORMSPEC_PIPE=0 turns them off (the register / streaming kernels
+// above then run everything, as before).
+inline bool pipe_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_PIPE");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return on;
+}
+
+struct PipeGeometry {
+  int team_log = 0;
+  int np = 0;  // 0: not eligible
+  int block() const { return team_log <= 5 ? 256 : 1 << team_log; }
+  long long teams_per_block() const { return block() >> team_log; }
+};
+
+inline int log2_exact(long long v) {
+  int l = 0;
+  while ((1LL << l) < v) ++l;
+  return l;
+}
+
+// threads per team from the override (0: default), NP the fewest passes that cover H.
+inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads) {
+  PipeGeometry g;
+  if (!pipe_enabled()) return g;
+  const long long nvec = (H + vec - 1) / vec;
+  long long threads;
+  if (override_threads > 0) {
+    threads = override_threads;
+  } else if (nvec <= 32) {
+    threads = next_pow2(nvec);  // one pass; teams of 1..32 lanes share warps
+  } else if (nvec <= 512) {
+    threads = next_pow2(nvec) / 2;  // two passes (measured: 2 loads in flight beat 1)
+  } else {
+    threads = 256;
+  }
+  if (threads > 256) return g;
+  for (int np = 1; np <= 4; np *= 2) {
+    if (static_cast<long long>(np) * threads * vec >= H) {
+      g.team_log = log2_exact(threads);
+      g.np = np;
+      return g;
+    }
+  }
+  return g;
+}
+
+inline int device_sms() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = n > 0 ? n : 1;
+  }
+  return cache[dev];
+}
+
+// Resident blocks per SM of `kernel` (cached by the caller; at least 1).
+template <typename K>
+int blocks_per_sm(K kernel, int block, size_t smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem) != cudaSuccess) {
+    cudaGetLastError();
+    n = 1;
+  }
+  return n > 0 ? n : 1;
+}
+
+inline unsigned persistent_grid(long long teams, const PipeGeometry& g, int per_sm) {
+  const long long need = (teams + g.teams_per_block() - 1) / g.teams_per_block();
+  const long long cap = static_cast<long long>(per_sm) * device_sms();
+  return grid_for(need < cap ? need : cap, 1);
+}
+
+// Dynamic shared memory of the backward's dweight stacks.
+inline size_t pipe_stack_bytes(const PipeGeometry& g, int vec, int glog) {
+  return static_cast<size_t>(glog) * g.np * vec * sizeof(float) * g.block();
+}
+
+// At most 40 KiB of stacks per block (five 256-thread blocks per SM).
+inline int pipe_max_glog(const PipeGeometry& g, int vec) {
+  int l = 0;
+  while (l < 5 && pipe_stack_bytes(g, vec, l + 1) <= 40960) ++l;
+  return l;
+}
+
+template <int OP, typename T, int NP>
+void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+  static int occ[9] = {0};
+  auto kernel = normspec_fwd_pipe_kernel<OP, T, NP>;
+  if (occ[g.team_log] == 0) occ[g.team_log] = blocks_per_sm(kernel, g.block(), 0);
+  const unsigned grid = persistent_grid(a.rows, g, occ[g.team_log]);
+  kernel<<<grid, g.block(), 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
+      static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
+      g.team_log);
+}
+
+template <int OP, typename T, int NP>
+void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
+                     cudaStream_t stream) {
+  static int occ[9][6] = {{0}};
+  PipeGeometry g;
+  g.team_log = plan.team_log;
+  g.np = plan.np;
+  constexpr int VEC = VecOf<T>::value;
+  const size_t smem = pipe_stack_bytes(g, VEC, plan.glog);
+  auto kernel = normspec_bwd_pipe_kernel<OP, T, NP>;
+  int& n = occ[g.team_log][plan.glog];
+  if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
+  const unsigned grid = persistent_grid(plan.groups, g, n);
+  kernel<<<grid, g.block(), smem, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<const T*>(a.dy),
+      static_cast<const T*>(a.dres), static_cast<T*>(a.y), static_cast<T*>(a.y2), ws, a.rows,
+      a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2, a.eps, a.offset, a.flags, plan.team_log,
+      plan.glog);
+}
+
+template <int OP, typename T>
+void forward_t(const LaunchArgs& a, cudaStream_t stream) {
+  if (a.flags & F_ALIGNED) {
+    const PipeGeometry pg = pipe_geometry(a.H, VecOf<T>::value, forward_team_override());
+    switch (pg.np) {
+      case 1:
+        return forward_pipe_t<OP, T, 1>(a, pg, stream);
+      case 2:
+        return forward_pipe_t<OP, T, 2>(a, pg, stream);
+      case 4:
+        return forward_pipe_t<OP, T, 4>(a, pg, stream);
+      default:
+        break;
+    }
+  }
+  const Geometry g = geometry(a.H, VecOf<T>::value);
+  const int tpb = g.threads == 32 ? 4 : 1;
+  const dim3 block(g.threads, tpb);
+  const dim3 grid(grid_for(a.rows, tpb));
+  const T* x = static_cast<const T*>(a.x);
+  const T* r = static_cast<const T*>(a.r);
+  T* y = static_cast<T*>(a.y);
+  T* y2 = static_cast<T*>(a.y2);
+#define NS_FWD_ARGS \
+  x, r, a.w, y, y2, a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags
+  switch (g.np) {
+    case 1:
+      normspec_fwd_kernel<OP, T, 1><<<grid, block, 0, stream>>>(NS_FWD_ARGS);
+      break;
+    case 2:
+      normspec_fwd_kernel<OP, T, 2><<<grid, block, 0, stream>>>(NS_FWD_ARGS);
+      break;
+    case 4:
+      normspec_fwd_kernel<OP, T, 4><<<grid, block, 0, stream>>>(NS_FWD_ARGS);
+      break;
+    default:
+      normspec_fwd_stream_kernel<OP, T><<<grid_for(a.rows, 1), 1024, 0, stream>>>(NS_FWD_ARGS);
+  }
+#undef NS_FWD_ARGS
+}
+
+template <int OP, typename T>
+void backward_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
+  if (plan.pipe) {
+    switch (plan.np) {
+      case 1:
+        return backward_pipe_t<OP, T, 1>(a, ws, plan, stream);
+      case 2:
+        return backward_pipe_t<OP, T, 2>(a, ws, plan, stream);
+      default:
+        return backward_pipe_t<OP, T, 4>(a, ws, plan, stream);
+    }
+  }
+  const Geometry g = backward_geometry(a.H, VecOf<T>::value);
+  const int tpb = g.threads == 32 ? 4 : 1;
+  const dim3 block(g.threads, tpb);
+  const dim3 grid(grid_for(plan.groups, tpb));
+  const T* x = static_cast<const T*>(a.x);
+  const T* r = static_cast<const T*>(a.r);
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dres = static_cast<const T*>(a.dres);
+  T* dx = static_cast<T*>(a.y);
+  T* d2 = static_cast<T*>(a.y2);
+#define NS_BWD_ARGS                                                                        \
+  x, r, a.w, dy, dres, dx, d2, ws, a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2, \
+      a.eps, a.offset, a.flags
+  switch (g.np) {
+    case 1:
+      normspec_bwd_kernel<OP, T, 1><<<grid, block, 0, stream>>>(NS_BWD_ARGS, plan.glog);
+      break;
+    case 2:
+      normspec_bwd_kernel<OP, T, 2><<<grid, block, 0, stream>>>(NS_BWD_ARGS, plan.glog);
+      break;
+    case 4:
+      normspec_bwd_kernel<OP, T, 4><<<grid, block, 0, stream>>>(NS_BWD_ARGS, plan.glog);
+      break;
+    default:
+      normspec_bwd_stream_kernel<OP, T><<<grid_for(a.rows, 1), 1024, 0, stream>>>(NS_BWD_ARGS);
+  }
+#undef NS_BWD_ARGS
+}
+
+template <typename T>
+void dispatch_op(int op, bool backward, const LaunchArgs& a, float* ws, const BackwardPlan* plan,
+                 cudaStream_t stream) {
+  switch (op) {
+    case OP_RMS:
+      backward ? backward_t<OP_RMS, T>(a, ws, *plan, stream) : forward_t<OP_RMS, T>(a, stream);
+      break;
+    case OP_FUSED:
+      backward ? backward_t<OP_FUSED, T>(a, ws, *plan, stream)
+               : forward_t<OP_FUSED, T>(a, stream);
+      break;
+    default:
+      backward ? backward_t<OP_GATED, T>(a, ws, *plan, stream)
+               : forward_t<OP_GATED, T>(a, stream);
+  }
+}
+
+}  // namespace launch_detail
+}  // namespace normspec

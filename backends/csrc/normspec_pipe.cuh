@@ -1,0 +1,522 @@
+// normspec pipelined CUDA kernels: the fast path for 16-byte aligned rows.
+//
+// Same arithmetic and the same reduction trees as normspec_kernels.cuh (every
+// partial sum is the tree of an aligned power-of-two segment of the padded
+// row, see there), so the bits are those of the spec; what changes is how the
+// memory system is kept busy:
+//
+//   * persistent teams: a team keeps its columns for the whole launch, so
+//     the weight is read (and offset) once per team, not once per row;
+//   * software pipelining: the raw 16-byte vectors of the team's *next* row
+//     (every row tensor: x, residual or gate, dy, dresidual) are loaded
+//     before the current row is reduced, and nothing reads them until the
+//     next iteration, so every thread keeps all its loads in flight while
+//     the current row's shuffles, barriers, divisions and stores run;
+//   * rows stay in registers as raw bf16/fp16/fp32 bits (half the registers
+//     of fp32 for 16-bit types) and are widened when used;
+//   * teams of 1..32 lanes share a warp (H <= 32 vectors: the gated norm at
+//     H = 128 uses 16 lanes per row, not a half-idle warp);
+//   * the backward's per-column dweight stacks live in shared memory, not
+//     registers (the register kernels need 145-239 registers for them).
+//
+// Geometry: team = 2**team_log threads (1..256) per row; blockDim.x =
+// max(team, 32) * (team <= 32 ? 8 : 1)... concretely 256 threads for teams of
+// at most 32 lanes, `team` threads (one team) otherwise. Loops are uniform
+// per warp (teams <= 32 lanes) or per block (larger teams), so the
+// full-mask shuffles and __syncthreads never diverge; a team without a row
+// in an iteration computes on zeros and stores nothing.
+//
+// Requirements checked by the launcher: F_ALIGNED (all row pointers and row
+// strides 16-byte aligned, weight 16-byte aligned), NP * team * VEC >= H.
+#pragma once
+
+#include "normspec_kernels.cuh"
+
+namespace normspec {
+
+// ---- raw 16-byte vectors --------------------------------------------------------
+template <typename T>
+struct RawBits;
+
+template <>
+struct RawBits<float> {
+  static __device__ __forceinline__ float get(const uint4& u, int j) {
+    const unsigned int w = j == 0 ? u.x : (j == 1 ? u.y : (j == 2 ? u.z : u.w));
+    return __uint_as_float(w);
+  }
+  static __device__ __forceinline__ unsigned int put(float v) { return __float_as_uint(v); }
+  static __device__ __forceinline__ unsigned int elem(const float* p) {
+    return __float_as_uint(*p);
+  }
+};
+
+template <typename T>
+struct RawBits16 {
+  static __device__ __forceinline__ float get(const uint4& u, int j) {
+    const int k = j >> 1;
+    const unsigned int w = k == 0 ? u.x : (k == 1 ? u.y : (k == 2 ? u.z : u.w));
+    return DevIO<T>::from_bits((j & 1) ? (w >> 16) : (w & 0xffffu));
+  }
+  static __device__ __forceinline__ unsigned int put(float v) { return DevIO<T>::to_bits(v); }
+  static __device__ __forceinline__ unsigned int elem(const T* p) {
+    return *reinterpret_cast<const unsigned short*>(p);
+  }
+};
+
+template <>
+struct RawBits<__nv_bfloat16> : RawBits16<__nv_bfloat16> {};
+template <>
+struct RawBits<__half> : RawBits16<__half> {};
+
+// VEC elements of a row from col (zero bits beyond H), as one raw vector.
+// Full vectors are one streaming 16-byte load; only the last, partial vector
+// of a row falls back to element loads.
+template <typename T>
+__device__ __forceinline__ uint4 load_raw(const T* __restrict__ row, long long col, long long H) {
+  constexpr int VEC = VecOf<T>::value;
+  if (col + VEC <= H) return __ldcs(reinterpret_cast<const uint4*>(row + col));
+  unsigned int w[4] = {0u, 0u, 0u, 0u};
+  if (col < H) {
+    constexpr int PER = VEC / 4;  // elements per 32-bit word
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (col + j < H) {
+        const unsigned int b = RawBits<T>::elem(row + col + j);
+        w[j / PER] |= (PER == 1) ? b : (b << (16 * (j % PER)));
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& u, float (&v)[VecOf<T>::value]) {
+#pragma unroll
+  for (int j = 0; j < VecOf<T>::value; ++j) v[j] = RawBits<T>::get(u, j);
+}
+
+// Round VEC fp32 values to T and store those below H (streaming stores).
+template <typename T>
+__device__ __forceinline__ void store_row(T* __restrict__ row, long long col, long long H,
+                                          const float (&v)[VecOf<T>::value]) {
+  constexpr int VEC = VecOf<T>::value;
+  constexpr int PER = VEC / 4;
+  if (col + VEC <= H) {
+    unsigned int w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = RawBits<T>::put(v[PER * k]);
+      if (PER == 2) w[k] |= RawBits<T>::put(v[PER * k + PER - 1]) << 16;
+    }
+    __stcs(reinterpret_cast<uint4*>(row + col), make_uint4(w[0], w[1], w[2], w[3]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (col + j < H) {
+        if constexpr (sizeof(T) == 4) {
+          reinterpret_cast<float*>(row)[col + j] = v[j];
+        } else {
+          reinterpret_cast<unsigned short*>(row)[col + j] =
+              static_cast<unsigned short>(RawBits<T>::put(v[j]));
+        }
+      }
+    }
+  }
+}
+
+// ---- team geometry and reduction ------------------------------------------------
+struct Team {
+  int log;         // log2(threads per team)
+  int lane;        // thread index in the team
+  long long slot;  // the team's index in the grid
+  long long lead;  // slot of the first team of this warp (teams <= 32) / of this team
+  long long nslots;
+};
+
+__device__ __forceinline__ Team make_team(int team_log) {
+  Team t;
+  t.log = team_log;
+  const long long gtid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  t.lane = static_cast<int>(threadIdx.x) & ((1 << team_log) - 1);
+  t.slot = gtid >> team_log;
+  t.lead = team_log <= 5 ? (gtid >> 5) << (5 - team_log) : t.slot;
+  t.nslots = (static_cast<long long>(gridDim.x) * blockDim.x) >> team_log;
+  return t;
+}
+
+// Every lane of the team ends with, per pass, the tree of the pass's segment
+// (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
+// used by multi-warp teams (one team per block) only.
+template <int NP, int VEC>
+__device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], long long P, int team_log,
+                                                 float* red) {
+  const int team = 1 << team_log;
+  if (team > 32) {  // the team is the block: the register kernels' reduction
+    team_reduce<NP, VEC>(part, P, red);
+    return;
+  }
+  const unsigned full = 0xffffffffu;
+  for (int off = 1; off < team; off <<= 1) {
+    if (static_cast<long long>(VEC) * off < P) {
+#pragma unroll
+      for (int p = 0; p < NP; ++p) part[p] = add(part[p], __shfl_xor_sync(full, part[p], off));
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0, team);
+}
+
+// The fp32 value the norm reads, from raw x (and raw residual when fused).
+template <int OP, typename T>
+__device__ __forceinline__ void norm_input_raw(const uint4& rx, const uint4& rr, int flags,
+                                               float (&v)[VecOf<T>::value]) {
+  unpack<T>(rx, v);
+  if constexpr (OP == OP_FUSED) {
+    float r[VecOf<T>::value];
+    unpack<T>(rr, r);
+#pragma unroll
+    for (int j = 0; j < VecOf<T>::value; ++j) {
+      v[j] = add(v[j], r[j]);
+      if (flags & F_ROUNDED) v[j] = DevIO<T>::rt(v[j]);
+    }
+  }
+}
+
+// Tree of the squares of v over the thread's segment (padding beyond H: +0.0).
+// Zero the summands of a partial vector that lie beyond H (the branch is
+// taken by the last vector of a row only).
+template <int VEC>
+__device__ __forceinline__ void zero_beyond(float (&a)[VEC], long long col, long long H) {
+  if (col + VEC > H) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col + j >= H) a[j] = 0.0f;
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ float sum_sq_masked(const float (&v)[VEC], long long col, long long H,
+                                               long long P) {
+  float a[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) a[j] = mul(v[j], v[j]);
+  zero_beyond<VEC>(a, col, H);
+  return local_tree<VEC>(a, P);
+}
+
+// rstd of the row whose raw vectors the team holds (every lane gets it).
+template <int OP, typename T, int NP>
+__device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&rr)[NP], int flags,
+                                          long long tcol, long long S, long long H, long long P,
+                                          float eps, int team_log, float* red) {
+  constexpr int VEC = VecOf<T>::value;
+  float part[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    float v[VEC];
+    norm_input_raw<OP, T>(rx[p], rr[p], flags, v);
+    part[p] = sum_sq_masked<VEC>(v, p * S + tcol, H, P);
+  }
+  team_reduce_pipe<NP, VEC>(part, P, team_log, red);
+  return rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
+}
+
+// The team's per-column weight factors, read once: g = fp32(offset) + w (or
+// w) for rms / fused; the fp32 weight itself for the gated op.
+template <int OP, int NP, int VEC>
+__device__ __forceinline__ void load_team_weight(const float* __restrict__ w, long long tcol,
+                                                 long long S, long long H, float offset,
+                                                 int flags, float (&g)[NP][VEC]) {
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    load_w<VEC>(w, p * S + tcol, H, true, g[p]);
+    if constexpr (OP != OP_GATED) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) g[p][j] = scale_weight(g[p][j], flags & F_OFFSET, offset);
+    }
+  }
+}
+
+}  // namespace normspec
+
+#ifndef NS_FWD_MIN_BLOCKS
+#define NS_FWD_MIN_BLOCKS 1
+#endif
+#ifndef NS_BWD_MIN_BLOCKS
+#define NS_BWD_MIN_BLOCKS 1
+#endif
+
+// ---- forward --------------------------------------------------------------------
+//   OP_RMS: r, y2 unused.  OP_FUSED: r = residual, y2 = new residual.
+//   OP_GATED: r = gate, y2 unused.
+template <int OP, typename T, int NP>
+__global__ void __launch_bounds__(256, NS_FWD_MIN_BLOCKS)
+    normspec_fwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
+                             const float* __restrict__ w, T* __restrict__ y,
+                             T* __restrict__ y2, long long rows, long long H, long long sx,
+                             long long sr, long long sy, long long sy2, float eps, float offset,
+                             int flags, int team_log) {
+  using namespace normspec;
+  constexpr int VEC = VecOf<T>::value;
+  constexpr bool TWO = OP != OP_RMS;  // a second row tensor (residual / gate)
+  __shared__ float red[2][NP * 32];
+  const Team tm = make_team(team_log);
+  const long long P = next_pow2(H);
+  const long long S = static_cast<long long>(VEC) << team_log;
+  const long long tcol = static_cast<long long>(tm.lane) * VEC;
+  const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+
+  float g[NP][VEC];
+  load_team_weight<OP, NP, VEC>(w, tcol, S, H, offset, flags, g);
+
+  // rows of this team: row0 + (slot - lead), row0 = lead, lead + nslots, ...
+  const long long mine = tm.slot - tm.lead;
+  uint4 cx[NP], cr[NP], nx[NP], nr[NP];
+  {
+    const long long row = tm.lead + mine;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      nx[p] = make_uint4(0u, 0u, 0u, 0u);
+      nr[p] = nx[p];
+      if (row < rows) {
+        nx[p] = load_raw<T>(x + row * sx, p * S + tcol, H);
+        if (TWO) nr[p] = load_raw<T>(r + row * sr, p * S + tcol, H);
+      }
+    }
+  }
+  int buf = 0;
+  for (long long row0 = tm.lead; row0 < rows; row0 += tm.nslots) {
+    const long long row = row0 + mine;
+    const long long nrow = row + tm.nslots;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      cx[p] = nx[p];
+      cr[p] = nr[p];
+      if (nrow < rows) {  // prefetch: not read before the next iteration
+        nx[p] = load_raw<T>(x + nrow * sx, p * S + tcol, H);
+        if (TWO) nr[p] = load_raw<T>(r + nrow * sr, p * S + tcol, H);
+      }
+    }
+    const float rstd =
+        row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, H, P, eps, team_log, red[buf]);
+    buf ^= 1;
+    if (row < rows) {
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        const long long col = p * S + tcol;
+        if (col < H) {
+          float v[VEC], out[VEC];
+          norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+          if constexpr (OP == OP_GATED) {
+            float z[VEC];
+            unpack<T>(cr[p], z);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+              const float xhat = mul(v[j], rstd);
+              float u;
+              if (hf) {
+                u = mul(DevIO<T>::rt(xhat), g[p][j]);
+                if (w_in) u = DevIO<T>::rt(u);
+              } else {
+                u = mul(xhat, g[p][j]);
+              }
+              out[j] = mul(u, act_fp32(z[j], sig));
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[p][j]);
+          }
+          store_row<T>(y + row * sy, col, H, out);
+          if constexpr (OP == OP_FUSED) store_row<T>(y2 + row * sy2, col, H, v);
+        }
+      }
+    }
+  }
+}
+
+// ---- backward -------------------------------------------------------------------
+// A team reduces the dweight contributions of groups of R = 2**glog
+// consecutive rows (rows beyond `rows` contribute +0.0) with a per-column
+// binary-counter stack in dynamic shared memory: glog levels of NP * VEC floats
+// per thread, laid out [level][pass][VEC/4][thread] as float4 (no bank
+// conflicts). One fp32 row per group goes to ws[g * H + col].
+//   OP_RMS:   r, dres, d2 unused.
+//   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
+//   OP_GATED: r = gate, dres unused, d2 = dgate.
+template <int OP, typename T, int NP>
+__global__ void __launch_bounds__(256, NS_BWD_MIN_BLOCKS)
+    normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
+                             const float* __restrict__ w, const T* __restrict__ dy,
+                             const T* __restrict__ dres, T* __restrict__ dx,
+                             T* __restrict__ d2, float* __restrict__ ws, long long rows,
+                             long long H, long long sx, long long sr, long long sdy,
+                             long long sdres, long long sdx, long long sd2, float eps,
+                             float offset, int flags, int team_log, int glog) {
+  using namespace normspec;
+  constexpr int VEC = VecOf<T>::value;
+  constexpr int Q = VEC / 4;  // float4 per vector
+  constexpr bool TWO = OP != OP_RMS;
+  constexpr bool DRES = OP == OP_FUSED;
+  __shared__ float red[2][NP * 32];
+  extern __shared__ float4 stk[];
+  const Team tm = make_team(team_log);
+  const long long P = next_pow2(H);
+  const long long S = static_cast<long long>(VEC) << team_log;
+  const long long tcol = static_cast<long long>(tm.lane) * VEC;
+  const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+  const bool ws_aligned = (H % 4) == 0;
+  const int nthr = blockDim.x;
+  const long long R = 1LL << glog;
+  const long long groups = (rows + R - 1) / R;
+
+  float g[NP][VEC];
+  load_team_weight<OP, NP, VEC>(w, tcol, S, H, offset, flags, g);
+
+  const long long mine = tm.slot - tm.lead;
+  uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  auto prefetch = [&](long long row) {
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const long long col = p * S + tcol;
+      nx[p] = load_raw<T>(x + row * sx, col, H);
+      if (TWO) nr[p] = load_raw<T>(r + row * sr, col, H);
+      ndy[p] = load_raw<T>(dy + row * sdy, col, H);
+      if (DRES) ndr[p] = load_raw<T>(dres + row * sdres, col, H);
+    }
+  };
+#pragma unroll
+  for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = zero;
+  {
+    const long long gi = tm.lead + mine;
+    if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
+  }
+  int buf = 0;
+  for (long long g0 = tm.lead; g0 < groups; g0 += tm.nslots) {
+    const long long gi = g0 + mine;
+    const bool group_ok = gi < groups;
+    for (long long j = 0; j < R; ++j) {
+      const long long row = gi * R + j;
+      const bool active = group_ok && row < rows;
+      // the row after this one in the team's sequence
+      const long long nrow = (j + 1 < R) ? row + 1 : (gi + tm.nslots) * R;
+      const bool nactive = (j + 1 < R) ? (group_ok && nrow < rows) : (gi + tm.nslots < groups);
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        cx[p] = active ? nx[p] : zero;
+        cr[p] = active ? nr[p] : zero;
+        cdy[p] = active ? ndy[p] : zero;
+        cdr[p] = active ? ndr[p] : zero;
+      }
+      if (nactive) prefetch(nrow);
+
+      const float rstd =
+          row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, H, P, eps, team_log, red[buf]);
+      buf ^= 1;
+      float part[NP];
+
+      // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat)
+      float dxh[NP][VEC];
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        const long long col = p * S + tcol;
+        float v[VEC], dyv[VEC], prod[VEC], c[VEC];
+        norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+        unpack<T>(cdy[p], dyv);
+        if constexpr (OP == OP_GATED) {
+          float z[VEC], dg[VEC];
+          unpack<T>(cr[p], z);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xhat = mul(v[k], rstd);
+            const Act a = act_and_grad_fp32(z[k], sig);
+            float t = xhat, u;
+            if (hf) {
+              t = DevIO<T>::rt(xhat);
+              u = mul(t, g[p][k]);
+              if (w_in) u = DevIO<T>::rt(u);
+            } else {
+              u = mul(xhat, g[p][k]);
+            }
+            dg[k] = mul(mul(dyv[k], u), a.da);
+            float du = mul(dyv[k], a.a);
+            if (hf) {
+              if (w_in) du = DevIO<T>::rt(du);
+              dxh[p][k] = DevIO<T>::rt(mul(du, g[p][k]));
+            } else {
+              dxh[p][k] = mul(du, g[p][k]);
+            }
+            c[k] = mul(du, t);
+            prod[k] = mul(dxh[p][k], xhat);
+          }
+          if (active && col < H) store_row<T>(d2 + row * sd2, col, H, dg);
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xhat = mul(v[k], rstd);
+            dxh[p][k] = mul(dyv[k], g[p][k]);
+            c[k] = mul(dyv[k], xhat);
+            prod[k] = mul(dxh[p][k], xhat);
+          }
+        }
+        zero_beyond<VEC>(c, col, H);
+        zero_beyond<VEC>(prod, col, H);
+        part[p] = local_tree<VEC>(prod, P);
+        if (!active) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
+        }
+        // push c onto the stack of this pass: level l holds a left sibling
+        int l = 0;
+        for (; l < glog && ((j >> l) & 1); ++l) {
+#pragma unroll
+          for (int q = 0; q < Q; ++q) {
+            const float4 s = stk[((l * NP + p) * Q + q) * nthr + threadIdx.x];
+            c[4 * q] = add(s.x, c[4 * q]);
+            c[4 * q + 1] = add(s.y, c[4 * q + 1]);
+            c[4 * q + 2] = add(s.z, c[4 * q + 2]);
+            c[4 * q + 3] = add(s.w, c[4 * q + 3]);
+          }
+        }
+        if (l < glog) {
+#pragma unroll
+          for (int q = 0; q < Q; ++q)
+            stk[((l * NP + p) * Q + q) * nthr + threadIdx.x] =
+                make_float4(c[4 * q], c[4 * q + 1], c[4 * q + 2], c[4 * q + 3]);
+        } else if (group_ok && col < H) {  // j == R - 1: the group's tree
+          store_vec<float, VEC>(ws + gi * H, col, H, ws_aligned, c);
+        }
+      }
+      team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
+      buf ^= 1;
+      const float m = div_by_count(fold_passes<NP>(part, S, P), H);
+
+      // dx (and dresidual)
+      if (active) {
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const long long col = p * S + tcol;
+          if (col < H) {
+            float v[VEC], out[VEC];
+            norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+              out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
+            if constexpr (OP == OP_FUSED) {
+              float dr[VEC];
+              unpack<T>(cdr[p], dr);
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) {
+                float dsn = out[k];
+                if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
+                out[k] = add(dsn, dr[k]);
+              }
+              store_row<T>(d2 + row * sd2, col, H, out);
+            }
+            store_row<T>(dx + row * sdx, col, H, out);
+          }
+        }
+      }
+    }
+  }
+}
