@@ -1,6 +1,8 @@
-"""Sweep the team geometry of the torch_ext CUDA kernels (NORMSPEC_FWD_TEAM / NORMSPEC_BWD_TEAM).
+"""Sweep the geometry of the torch_ext CUDA kernels (team sizes, dweight groups, kernel family).
 
-The launcher (``backends/csrc/normspec_launch.cu``) reads the two variables
+The launcher (``backends/csrc/normspec_launch_impl.cuh``) reads ``NORMSPEC_FWD_TEAM``,
+``NORMSPEC_BWD_TEAM``, ``NORMSPEC_BWD_GLOG`` and ``NORMSPEC_PIPE`` (``0``: the register /
+streaming kernels instead of the pipelined ones)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -20,7 +22,7 @@ reported, not fatal. Runtime on an H200: about 2-3 minutes (plus the build
 when the sources changed).
 
 Usage: ``python bench/geometry_sweep.py [--fwd 64,128,256,512,1024] [--bwd 64,128,256]
-[--out bench/results/geometry_sweep.json]``
+[--glog 2,3,4,5] [--out bench/results/geometry_sweep.json]``
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 EPS = 1e-6
 BF16 = torch.bfloat16
-ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM")
+ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -149,9 +151,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def geometry(part: str, hidden: int, team: int | None, vec: int = 8) -> str:
-    """The launcher's choice (mirror of normspec_launch.cu, for the table only)."""
+def geometry(part: str, hidden: int, team: int | None, vec: int = 8, pipe: bool = True) -> str:
+    """The launcher's choice for aligned rows (mirror of normspec_launch_impl.cuh, for the
+    table only): ``pipe`` for the pipelined kernels, else the register / streaming ones."""
     nvec = -(-hidden // vec)
+    if pipe:
+        threads = team or (_next_pow2(nvec) if nvec <= 32 else
+                           _next_pow2(nvec) // 2 if nvec <= 512 else 256)
+        fits = [n for n in (1, 2, 4) if n * threads * vec >= hidden] if threads <= 256 else []
+        if fits:
+            return f"p{threads}/NP{fits[0]}"
     small, big = (32, 1024) if part == "fwd" else (32, 256)
     if nvec <= small:
         default = (32, 1)
@@ -248,12 +257,15 @@ def child(spec_json: str) -> int:
 # --------------------------------------------------------------------------- parent
 
 
-def candidates(fwd: list[int], bwd: list[int]) -> list[dict]:
-    out = [{"name": "default", "env": {}, "parts": ["fwd", "bwd"]}]
+def candidates(fwd: list[int], bwd: list[int], glog: list[int]) -> list[dict]:
+    out = [{"name": "default", "env": {}, "parts": ["fwd", "bwd"]},
+           {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": ["fwd", "bwd"]}]
     out += [{"name": f"fwd={t}", "env": {"NORMSPEC_FWD_TEAM": str(t)}, "parts": ["fwd"]}
             for t in fwd]
     out += [{"name": f"bwd={t}", "env": {"NORMSPEC_BWD_TEAM": str(t)}, "parts": ["bwd"]}
             for t in bwd]
+    out += [{"name": f"glog={g}", "env": {"NORMSPEC_BWD_GLOG": str(g)}, "parts": ["bwd"]}
+            for g in glog]
     return out
 
 
@@ -329,7 +341,11 @@ def report(results: list[dict]) -> None:
             for part in ("fwd", "bwd"):
                 var = "NORMSPEC_FWD_TEAM" if part == "fwd" else "NORMSPEC_BWD_TEAM"
                 team = int(res["env"][var]) if var in res["env"] else None
-                geoms[part] = geometry(part, hidden, team) if f"{part}_us" in row else "-"
+                pipe = res["env"].get("NORMSPEC_PIPE") != "0"
+                geoms[part] = (geometry(part, hidden, team, pipe=pipe) if f"{part}_us" in row
+                               else "-")
+                if part == "bwd" and "NORMSPEC_BWD_GLOG" in res["env"]:
+                    geoms[part] += f"g{res['env']['NORMSPEC_BWD_GLOG']}"
                 if f"spec_{part}_ok" in row:
                     checks.append(f"{part}:spec={'ok' if row[f'spec_{part}_ok'] else 'DIFF'}")
                 if f"fp_{part}" in row and default is not None and res is not default:
@@ -353,6 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--fwd", default="64,128,256,512,1024", help="NORMSPEC_FWD_TEAM values")
     p.add_argument("--bwd", default="64,128,256", help="NORMSPEC_BWD_TEAM values")
+    p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values")
     p.add_argument("--timeout", type=float, default=150.0, help="per candidate, seconds")
     p.add_argument("--out", default="bench/results/geometry_sweep.json")
     args = p.parse_args(argv)
@@ -372,7 +389,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="normspec_sweep_") as tmp:
         refdir = Path(tmp)
         build_references(refdir)
-        for cand in candidates(parse_list(args.fwd), parse_list(args.bwd)):
+        for cand in candidates(parse_list(args.fwd), parse_list(args.bwd),
+                               parse_list(args.glog)):
             print(f"candidate {cand['name']} ...", file=sys.stderr, flush=True)
             res = run_child(cand, refdir, args.timeout)
             print(f"  {res.get('wall_s', 0):.0f} s" + (f"  ERROR {res['error']}"

@@ -209,6 +209,8 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool) -> list
     bwd_bytes = (n_out + n_in + n_in) * elem
     results = []
     for name, fn in peers.items():
+        if BACKEND_FILTER and not any(f in name for f in BACKEND_FILTER):
+            continue
         row = {"kind": kind, "shape": [rows, hidden], "backend": name}
         try:
             with torch.no_grad():
@@ -258,6 +260,19 @@ CASES = [
 ]
 
 
+def parse_case(text: str) -> tuple[str, int, int]:
+    """``"norm:32768:2048"`` -> ``("norm", 32768, 2048)``."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in OP_NAMES or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"--case: expected KIND:ROWS:H with KIND in {sorted(OP_NAMES)}, "
+                         f"got {text!r}")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+#: Substrings of the peer names to time (empty: all); set by --backend.
+BACKEND_FILTER: tuple[str, ...] = ()
+
+
 def main(argv=None) -> int:
     # torch.compile donates buffers to its backward, which then refuses the
     # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
@@ -267,7 +282,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip backward on small shapes")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--backend", action="append", default=[], metavar="SUBSTRING",
+                   help="time only peers whose name contains this (repeatable)")
+    p.add_argument("--case", action="append", default=[], metavar="KIND:ROWS:H",
+                   help="time only these cases, e.g. norm:32768:2048 (kind: norm, fused, gated)")
     args = p.parse_args(argv)
+    try:
+        cases = [parse_case(c) for c in args.case] or CASES
+    except ValueError as exc:
+        p.error(str(exc))
+    global BACKEND_FILTER
+    BACKEND_FILTER = tuple(args.backend)
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -288,7 +313,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / (props.name.replace(" ", "_") + ".json")
     rows = []
-    for kind, r, h in CASES:
+    for kind, r, h in cases:
         print(f"timing {kind} {r}x{h} ...", file=sys.stderr, flush=True)
         rows += time_case(kind, r, h, bw, args.quick)
         # written after every case, so a run stopped part-way keeps what it measured
