@@ -17,12 +17,12 @@ once per process, so every candidate runs in a fresh subprocess. Each child
 * prints one JSON line.
 
 The parent builds the extension first (so no child compiles), prints a table
-and writes ``bench/results/geometry_sweep.json``. A failing candidate is
+and writes ``bench/results/sweeps/geometry_sweep.json``. A failing candidate is
 reported, not fatal. Runtime on an H200: about 2-3 minutes (plus the build
 when the sources changed).
 
 Usage: ``python bench/geometry_sweep.py [--fwd 64,128,256,512,1024] [--bwd 64,128,256]
-[--glog 2,3,4,5] [--out bench/results/geometry_sweep.json]``
+[--glog 2,3,4,5] [--out bench/results/sweeps/geometry_sweep.json]``
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--bwd", default="64,128,256", help="NORMSPEC_BWD_TEAM values")
     p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values")
     p.add_argument("--timeout", type=float, default=150.0, help="per candidate, seconds")
-    p.add_argument("--out", default="bench/results/geometry_sweep.json")
+    p.add_argument("--out", default="bench/results/sweeps/geometry_sweep.json")
     args = p.parse_args(argv)
     if args.child:
         return child(args.child)
