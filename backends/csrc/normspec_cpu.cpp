@@ -246,10 +246,7 @@ at::Tensor new_rows(const at::Tensor& x) { return at::empty(x.sizes(), x.options
 // ---- operators ---------------------------------------------------------------
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
                         double offset) {
-  check_input("x", x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {}, weight, eps, offset);
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
   const Opts o = make_opts(OP_RMS, x, weight, eps, offset, 0);
@@ -265,11 +262,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& dy, const at::Tensor& x,
                                                          const at::Tensor& weight, double eps,
                                                          double offset) {
-  check_input("x", x);
-  check_like("dy", dy, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"dy", dy}}, weight, eps, offset);
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
   const Opts o = make_opts(OP_RMS, x, weight, eps, offset, 0);
@@ -289,11 +282,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
                                                           double offset,
                                                           c10::string_view residual_sum) {
-  check_input("x", x);
-  check_like("residual", residual, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"residual", residual}}, weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
   at::Tensor y = new_rows(x), res = new_rows(x);
   if (x.numel() == 0) return {y, res};
@@ -311,13 +300,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
     const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
     const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
     c10::string_view residual_sum) {
-  check_input("x", x);
-  check_like("residual", residual, x);
-  check_like("dy", dy, x);
-  check_like("dresidual_out", dresidual_out, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"residual", residual}, {"dy", dy}, {"dresidual_out", dresidual_out}},
+                  weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
   at::Tensor dx = new_rows(x), dres = new_rows(x);
   if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
@@ -337,12 +321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
 at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& gate,
                               const at::Tensor& weight, double eps, c10::string_view convention,
                               c10::string_view activation) {
-  check_input("x", x);
-  check_like("gate", gate, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  const int extra = (parse_convention_hf(convention) ? F_HF : 0) |
-                    (parse_activation_sigmoid(activation) ? F_SIGMOID : 0);
+  check_rows_weight_eps(x, {{"gate", gate}}, weight, eps);
+  const int extra = gated_flags(convention, activation);
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
   const Opts o = make_opts(OP_GATED, x, weight, eps, 0.0, extra);
@@ -358,13 +338,8 @@ at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& gate,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cpu(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
     double eps, c10::string_view convention, c10::string_view activation) {
-  check_input("x", x);
-  check_like("gate", gate, x);
-  check_like("dy", dy, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  const int extra = (parse_convention_hf(convention) ? F_HF : 0) |
-                    (parse_activation_sigmoid(activation) ? F_SIGMOID : 0);
+  check_rows_weight_eps(x, {{"gate", gate}, {"dy", dy}}, weight, eps);
+  const int extra = gated_flags(convention, activation);
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
   const Opts o = make_opts(OP_GATED, x, weight, eps, 0.0, extra);

@@ -97,10 +97,7 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
 // ---- operators -------------------------------------------------------------------
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
                          double offset) {
-  check_input("x", x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {}, weight, eps, offset);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
@@ -117,11 +114,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
                                                           const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
                                                           double offset) {
-  check_input("x", x);
-  check_like("dy", dy, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"dy", dy}}, weight, eps, offset);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
@@ -141,11 +134,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
                                                            const at::Tensor& weight, double eps,
                                                            double offset,
                                                            c10::string_view residual_sum) {
-  check_input("x", x);
-  check_like("residual", residual, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"residual", residual}}, weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = new_rows(x), res = new_rows(x);
@@ -168,13 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
     const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
     const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
     c10::string_view residual_sum) {
-  check_input("x", x);
-  check_like("residual", residual, x);
-  check_like("dy", dy, x);
-  check_like("dresidual_out", dresidual_out, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  check_offset(offset);
+  check_norm_args(x, {{"residual", residual}, {"dy", dy}, {"dresidual_out", dresidual_out}},
+                  weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x), dres = new_rows(x);
@@ -198,20 +182,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
   return {dx, dres, dw};
 }
 
-int gated_flags(const at::Tensor& x, const at::Tensor& weight, c10::string_view convention,
-                c10::string_view activation) {
-  return base_flags(x, weight, 0.0) | (parse_convention_hf(convention) ? F_HF : 0) |
-         (parse_activation_sigmoid(activation) ? F_SIGMOID : 0);
+int gated_launch_flags(const at::Tensor& x, const at::Tensor& weight, c10::string_view convention,
+                       c10::string_view activation) {
+  return base_flags(x, weight, 0.0) | gated_flags(convention, activation);
 }
 
 at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
                                const at::Tensor& weight, double eps, c10::string_view convention,
                                c10::string_view activation) {
-  check_input("x", x);
-  check_like("gate", gate, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  const int flags = gated_flags(x, weight, convention, activation);
+  check_rows_weight_eps(x, {{"gate", gate}}, weight, eps);
+  const int flags = gated_launch_flags(x, weight, convention, activation);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
@@ -229,12 +209,8 @@ at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
     double eps, c10::string_view convention, c10::string_view activation) {
-  check_input("x", x);
-  check_like("gate", gate, x);
-  check_like("dy", dy, x);
-  check_weight(weight, x);
-  check_eps(eps);
-  const int flags = gated_flags(x, weight, convention, activation);
+  check_rows_weight_eps(x, {{"gate", gate}, {"dy", dy}}, weight, eps);
+  const int flags = gated_launch_flags(x, weight, convention, activation);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "normspec_arith.h"
@@ -112,6 +113,35 @@ inline bool parse_activation_sigmoid(c10::string_view s) {
   TORCH_CHECK(false, "activation: expected one of ('silu', 'sigmoid'), got '", std::string(s),
               "'");
   return false;
+}
+
+// The checks every operator starts with, shared by the CPU and CUDA entry
+// points (in this order, so both report the same first error): x, the other
+// row tensors (named as in the schema; each like x), the weight, eps and,
+// for the operators that take one, the offset.
+struct NamedRows {
+  const char* name;
+  const at::Tensor& t;
+};
+
+inline void check_rows_weight_eps(const at::Tensor& x, std::initializer_list<NamedRows> rows,
+                                  const at::Tensor& weight, double eps) {
+  check_input("x", x);
+  for (const NamedRows& r : rows) check_like(r.name, r.t, x);
+  check_weight(weight, x);
+  check_eps(eps);
+}
+
+inline void check_norm_args(const at::Tensor& x, std::initializer_list<NamedRows> rows,
+                            const at::Tensor& weight, double eps, double offset) {
+  check_rows_weight_eps(x, rows, weight, eps);
+  check_offset(offset);
+}
+
+// The gated operators' flag bits from their string options (checked).
+inline int gated_flags(c10::string_view convention, c10::string_view activation) {
+  return (parse_convention_hf(convention) ? F_HF : 0) |
+         (parse_activation_sigmoid(activation) ? F_SIGMOID : 0);
 }
 
 // The fp32 weight the kernels read (exact conversion, contiguous).
