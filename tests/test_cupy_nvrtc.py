@@ -189,6 +189,25 @@ int main() {
     BackwardPlan p = backward_plan(dt, R, H, s);
     printf("P %d %lld %lld %d %d %lld\n", dt, R, H, s, p.glog, p.groups);
   }
+  // the pipelined kernels' plan, for aligned and for unaligned rows
+  for (int dt : {0, 1, 2}) for (long long H : Hs) for (long long R : Rs) for (int s : Ss) {
+    for (int aligned : {1, 0}) {
+      LaunchArgs a;
+      a.x = reinterpret_cast<const void*>(aligned ? 0x10000 : 0x10002);
+      a.y = reinterpret_cast<void*>(0x20000);
+      a.w = reinterpret_cast<const float*>(0x30000);
+      a.rows = R;
+      a.H = H;
+      a.sx = a.sy = aligned ? 64 : 63;
+      BackwardPlan p = backward_plan_for(dt, a, s);
+      printf("Q %d %lld %lld %d %d %d %d %d %d %lld\n", dt, R, H, s, aligned, p.pipe,
+             p.team_log, p.np, p.glog, p.groups);
+    }
+  }
+  for (long long H : Hs) for (int vec : {4, 8}) {
+    PipeGeometry g = pipe_geometry(H, vec, 0);
+    printf("W %lld %d %d %d\n", H, vec, g.team_log, g.np);
+  }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
   for (long long u : Rs)
     for (int pb : {1, 4, 256}) printf("F %lld %d %u\n", u, pb, grid_for(u, pb));
@@ -202,10 +221,38 @@ RS = (0, 1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 100, 257, 1000, 4096, 65535, 65536,
       1000000, 1 << 33)
 
 
+def pipe_default(hidden: int, vec: int) -> tuple[int, int]:
+    """(team_log, NP) of the pipelined kernels' default geometry, (0, 0) where they do
+    not apply (documented in normspec_launch_impl.cuh)."""
+    nvec = -(-hidden // vec)
+    if nvec > 1024:
+        return 0, 0
+    team = cb.next_pow2(nvec) if nvec <= 32 else cb.next_pow2(nvec) // 2 if nvec <= 512 else 256
+    np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
+    return team.bit_length() - 1, np_
+
+
+def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups, *, line):
+    """The pipelined backward's plan: its geometry, a shared-memory budget of 40 KiB per
+    block for the dweight stacks, and groups that cover the rows; unaligned rows keep the
+    register kernels' plan."""
+    vec = cb.vec_of(dt)
+    if not aligned or pipe_default(hidden, vec) == (0, 0):
+        assert pipe == 0, line
+        assert (glog, groups) == cb.backward_plan(dt, rows, hidden, sm), line
+        return
+    assert pipe == 1 and (team_log, np_) == pipe_default(hidden, vec), line
+    block = 256 if team_log <= 5 else 1 << team_log
+    assert 0 <= glog <= 5 and glog * np_ * vec * 4 * block <= 40960, line
+    assert groups == -(-rows // (1 << glog)), line
+    assert rows == 0 or (1 << glog) <= cb.next_pow2(rows), line
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_plan_matches_the_cpp_launcher(tmp_path):
     """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
-    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones."""
+    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones, and
+    the pipelined kernels' geometry and backward plan keep their documented invariants."""
     src = tmp_path / "geo.cu"
     src.write_text(GEO_MAIN.replace("@HS@", ", ".join(map(str, HS)))
                    .replace("@RS@", ", ".join(f"{r}LL" for r in RS)))
@@ -226,6 +273,11 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
         elif kind == "P":
             dt, rows, hidden, sm, glog, groups = v
             assert cb.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
+        elif kind == "Q":
+            check_pipe_plan(*v, line=line)
+        elif kind == "W":
+            hidden, vec, team_log, np_ = v
+            assert (team_log, np_) == pipe_default(hidden, vec), line
         elif kind == "C":
             assert cb.col_tree_rows_out(v[0]) == v[1], line
         elif kind == "F":
