@@ -4,7 +4,11 @@ The kernels are the torch extension's own: ``backends/csrc/normspec_kernels.cuh`
 (shipped as package data) is compiled as it is by NVRTC, lazily, one module per
 (operator, dtype) holding every template instantiation that module launches,
 cached on disk (next to CuPy's kernel cache) and memoised per process and
-device. The host launch logic of ``normspec_launch.cu`` is mirrored in Python.
+device. The host launch logic of the register and streaming kernels
+(``normspec_launch_impl.cuh``: ``geometry``, ``backward_plan``) is mirrored in
+Python. The torch extension's faster *pipelined* kernels (``normspec_pipe.cuh``,
+used there for aligned rows) are not launched from here yet; both give the
+spec's bits.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
@@ -114,7 +118,7 @@ _DT_NAMES = {DT_F32: "float32", DT_BF16: "bfloat16", DT_F16: "float16"}
 _NPS = (1, 2, 4)
 
 
-# ---- the host launch logic of normspec_launch.cu, in Python ---------------------------
+# ---- the host launch logic of normspec_launch_impl.cuh, in Python ----------------------
 # By the design any valid geometry gives the same bits (every partial sum is the
 # tree of an aligned power-of-two segment, whatever the team size), so these
 # functions mirror the C++ defaults for like-for-like benchmarks but need not
@@ -272,7 +276,7 @@ def _rows_aligned(ptr: int, stride: int, esize: int) -> bool:
 
 def with_alignment(a: _Args, esize: int) -> _Args:
     """Set ``F_ALIGNED`` when every row pointer allows 16-byte vector access
-    (``set_alignment`` of normspec_launch.cu)."""
+    (``set_alignment`` of normspec_launch_impl.cuh)."""
     ok = (_rows_aligned(a.x, a.sx, esize) and _rows_aligned(a.r, a.sr, esize)
           and _rows_aligned(a.dy, a.sdy, esize) and _rows_aligned(a.dres, a.sdres, esize)
           and _rows_aligned(a.y, a.sy, esize) and _rows_aligned(a.y2, a.sy2, esize)

@@ -1,6 +1,6 @@
 """The CUDA sources compile with this machine's nvcc for sm_90 (skipped without nvcc).
 
-The kernels and their launchers (``normspec_launch.cu``, torch-free, the file
+The kernels and their launchers (``normspec_launch*.cu``, torch-free; the file
 the CuPy backend shares through ``normspec_kernels.cuh``) are compiled to an
 object; the torch-facing ``normspec_cuda.cpp`` is compiled by the host
 compiler against torch's and CUDA's headers. A CUDA compile error therefore
