@@ -19,12 +19,12 @@
 //   * the backward's per-column dweight stacks live in shared memory, not
 //     registers (the register kernels need 145-239 registers for them).
 //
-// Geometry: team = 2**team_log threads (1..256) per row; blockDim.x =
-// max(team, 32) * (team <= 32 ? 8 : 1)... concretely 256 threads for teams of
-// at most 32 lanes, `team` threads (one team) otherwise. Loops are uniform
-// per warp (teams <= 32 lanes) or per block (larger teams), so the
-// full-mask shuffles and __syncthreads never diverge; a team without a row
-// in an iteration computes on zeros and stores nothing.
+// Geometry: team = 2**team_log threads (1..256) per row; a block has 256
+// threads (8 warps of 32 / team teams each) for teams of at most 32 lanes, and
+// is one team otherwise. Loops are uniform per warp (teams <= 32 lanes) or per
+// block (larger teams), so the full-mask shuffles and __syncthreads never
+// diverge; a team without a row in an iteration joins the shuffles with
+// whatever it holds and stores nothing.
 //
 // Requirements checked by the launcher: F_ALIGNED (all row pointers and row
 // strides 16-byte aligned, weight 16-byte aligned), NP * team * VEC >= H.
@@ -239,18 +239,11 @@ __device__ __forceinline__ void load_team_weight(const float* __restrict__ w, lo
 
 }  // namespace normspec
 
-#ifndef NS_FWD_MIN_BLOCKS
-#define NS_FWD_MIN_BLOCKS 1
-#endif
-#ifndef NS_BWD_MIN_BLOCKS
-#define NS_BWD_MIN_BLOCKS 1
-#endif
-
 // ---- forward --------------------------------------------------------------------
 //   OP_RMS: r, y2 unused.  OP_FUSED: r = residual, y2 = new residual.
 //   OP_GATED: r = gate, y2 unused.
 template <int OP, typename T, int NP>
-__global__ void __launch_bounds__(256, NS_FWD_MIN_BLOCKS)
+__global__ void __launch_bounds__(256)
     normspec_fwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const float* __restrict__ w, T* __restrict__ y,
                              T* __restrict__ y2, long long rows, long long H, long long sx,
@@ -344,7 +337,7 @@ __global__ void __launch_bounds__(256, NS_FWD_MIN_BLOCKS)
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
 template <int OP, typename T, int NP>
-__global__ void __launch_bounds__(256, NS_BWD_MIN_BLOCKS)
+__global__ void __launch_bounds__(256)
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const float* __restrict__ w, const T* __restrict__ dy,
                              const T* __restrict__ dres, T* __restrict__ dx,
