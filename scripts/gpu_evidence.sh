@@ -6,7 +6,7 @@
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep]
-#   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, ...)
+#   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -49,7 +49,7 @@ for s in $stages; do
           --json "reports/compare/$op-cuda_bf16.json" --png "reports/compare/$op-cuda_bf16.png"
       done ;;
     sweep)
-      run 240 geometry-sweep python3 bench/geometry_sweep.py ;;
+      run ${SWEEP_LIMIT:-420} geometry-sweep python3 bench/geometry_sweep.py ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
