@@ -33,20 +33,6 @@ int dtype_code(at::ScalarType t) {
   return -1;
 }
 
-// Multiprocessors of the current device (cached per device; no synchronisation).
-int sm_count() {
-  static int cache[64] = {0};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return 132;
-  if (cache[dev] == 0) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev] = n > 0 ? n : 1;
-  }
-  return cache[dev];
-}
-
 at::Tensor new_rows(const at::Tensor& x) { return at::empty(x.sizes(), x.options()); }
 
 int base_flags(const at::Tensor& x, const at::Tensor& w, double offset) {
@@ -79,7 +65,7 @@ void forward(int op, const at::Tensor& x, LaunchArgs a) {
 at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dt = dtype_code(x.scalar_type());
-  const BackwardPlan plan = backward_plan_for(dt, a, sm_count());
+  const BackwardPlan plan = backward_plan_for(dt, a, current_device_sms());
   const at::TensorOptions fopts = x.options().dtype(at::kFloat);
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));

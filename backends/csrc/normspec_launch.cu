@@ -40,6 +40,8 @@ cudaError_t dispatch(int op, int dtype, bool backward, LaunchArgs a, float* ws,
 
 }  // namespace
 
+int current_device_sms() { return device_sms(); }
+
 BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count) {
   const Geometry g = backward_geometry(H, vec_of(dtype));
   BackwardPlan plan;

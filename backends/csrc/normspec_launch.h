@@ -38,6 +38,9 @@ struct BackwardPlan {
   int np = 0;
 };
 
+// Multiprocessors of the current device (cached per device; 132 if the query fails).
+int current_device_sms();
+
 // The plan of the register / streaming kernels (mirrored by the CuPy backend).
 BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count);
 // The plan for this call: the pipelined kernel when every row is 16-byte

@@ -202,14 +202,22 @@ inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads) {
   return g;
 }
 
+// Multiprocessors of the current device, cached per device (132, an H100/H200,
+// when the runtime cannot tell: only the grid size depends on it, not the bits).
 inline int device_sms() {
   static int cache[64] = {0};
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return 132;
+  }
   if (cache[dev] == 0) {
     int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cache[dev] = n > 0 ? n : 1;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      return 132;
+    }
+    cache[dev] = n;
   }
   return cache[dev];
 }
