@@ -72,7 +72,7 @@ struct RawBits<__half> : RawBits16<__half> {};
 // Full vectors are one streaming 16-byte load; only the last, partial vector
 // of a row falls back to element loads.
 template <typename T>
-__device__ __forceinline__ uint4 load_raw(const T* __restrict__ row, long long col, long long H) {
+__device__ __forceinline__ uint4 load_raw(const T* __restrict__ row, int col, int H) {
   constexpr int VEC = VecOf<T>::value;
   if (col + VEC <= H) return __ldcs(reinterpret_cast<const uint4*>(row + col));
   unsigned int w[4] = {0u, 0u, 0u, 0u};
@@ -97,7 +97,7 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&v)[VecOf<T>::valu
 
 // Round VEC fp32 values to T and store those below H (streaming stores).
 template <typename T>
-__device__ __forceinline__ void store_row(T* __restrict__ row, long long col, long long H,
+__device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
                                           const float (&v)[VecOf<T>::value]) {
   constexpr int VEC = VecOf<T>::value;
   constexpr int PER = VEC / 4;
@@ -124,6 +124,32 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, long long col, lo
   }
 }
 
+// local_tree / fold_passes of normspec_kernels.cuh with int bounds (rows of
+// the pipelined kernels are at most 8192 elements).
+template <int VEC>
+__device__ __forceinline__ float local_tree_i(float (&a)[VEC], int P) {
+#pragma unroll
+  for (int s = VEC; s > 1; s >>= 1) {
+    if (s <= P) {
+#pragma unroll
+      for (int i = 0; i < s / 2; ++i) a[i] = add(a[2 * i], a[2 * i + 1]);
+    }
+  }
+  return a[0];
+}
+
+template <int NP>
+__device__ __forceinline__ float fold_passes_i(float (&part)[NP], int S, int P) {
+#pragma unroll
+  for (int s = NP; s > 1; s >>= 1) {
+    if (s * S <= P) {
+#pragma unroll
+      for (int i = 0; i < s / 2; ++i) part[i] = add(part[2 * i], part[2 * i + 1]);
+    }
+  }
+  return part[0];
+}
+
 // ---- team geometry and reduction ------------------------------------------------
 struct Team {
   int log;         // log2(threads per team)
@@ -148,22 +174,50 @@ __device__ __forceinline__ Team make_team(int team_log) {
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
 // used by multi-warp teams (one team per block) only.
 template <int NP, int VEC>
-__device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], long long P, int team_log,
+__device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int team_log,
                                                  float* red) {
+  // Every lane shuffles at every level and keeps the sum only where the level
+  // belongs to the tree (a condition the same for all lanes and rows): no
+  // divergent branch around the shuffles, no runtime loop.
+  const unsigned full = 0xffffffffu;
   const int team = 1 << team_log;
-  if (team > 32) {  // the team is the block: the register kernels' reduction
-    team_reduce<NP, VEC>(part, P, red);
+  const int wlim = team < 32 ? team : 32;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const bool take = off < wlim && VEC * off < P;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const float o = __shfl_xor_sync(full, part[p], off);
+      if (take) part[p] = add(part[p], o);
+    }
+  }
+  if (team <= 32) {
+#pragma unroll
+    for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0, wlim);
     return;
   }
-  const unsigned full = 0xffffffffu;
-  for (int off = 1; off < team; off <<= 1) {
-    if (static_cast<long long>(VEC) * off < P) {
+  // the team is the block: one partial per warp through shared memory
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int nwarps = team >> 5;
+  if (lane == 0) {
 #pragma unroll
-      for (int p = 0; p < NP; ++p) part[p] = add(part[p], __shfl_xor_sync(full, part[p], off));
+    for (int p = 0; p < NP; ++p) red[p * 32 + warp] = part[p];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int p = 0; p < NP; ++p) part[p] = lane < nwarps ? red[p * 32 + lane] : 0.0f;
+#pragma unroll
+  for (int off = 1; off < 8; off <<= 1) {  // at most 8 warps (teams of <= 256 threads)
+    const bool take = off < nwarps && 32 * VEC * off < P;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const float o = __shfl_xor_sync(full, part[p], off);
+      if (take) part[p] = add(part[p], o);
     }
   }
 #pragma unroll
-  for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0, team);
+  for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0);
 }
 
 // The fp32 value the norm reads, from raw x (and raw residual when fused).
@@ -186,7 +240,7 @@ __device__ __forceinline__ void norm_input_raw(const uint4& rx, const uint4& rr,
 // Zero the summands of a partial vector that lie beyond H (the branch is
 // taken by the last vector of a row only).
 template <int VEC>
-__device__ __forceinline__ void zero_beyond(float (&a)[VEC], long long col, long long H) {
+__device__ __forceinline__ void zero_beyond(float (&a)[VEC], int col, int H) {
   if (col + VEC > H) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
@@ -195,19 +249,18 @@ __device__ __forceinline__ void zero_beyond(float (&a)[VEC], long long col, long
 }
 
 template <int VEC>
-__device__ __forceinline__ float sum_sq_masked(const float (&v)[VEC], long long col, long long H,
-                                               long long P) {
+__device__ __forceinline__ float sum_sq_masked(const float (&v)[VEC], int col, int H, int P) {
   float a[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) a[j] = mul(v[j], v[j]);
   zero_beyond<VEC>(a, col, H);
-  return local_tree<VEC>(a, P);
+  return local_tree_i<VEC>(a, P);
 }
 
 // rstd of the row whose raw vectors the team holds (every lane gets it).
 template <int OP, typename T, int NP>
 __device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&rr)[NP], int flags,
-                                          long long tcol, long long S, long long H, long long P,
+                                          int tcol, int S, int H, int P,
                                           float eps, int team_log, float* red) {
   constexpr int VEC = VecOf<T>::value;
   float part[NP];
@@ -218,14 +271,14 @@ __device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&r
     part[p] = sum_sq_masked<VEC>(v, p * S + tcol, H, P);
   }
   team_reduce_pipe<NP, VEC>(part, P, team_log, red);
-  return rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
+  return rstd_from_ss(fold_passes_i<NP>(part, S, P), H, eps);
 }
 
 // The team's per-column weight factors, read once: g = fp32(offset) + w (or
 // w) for rms / fused; the fp32 weight itself for the gated op.
 template <int OP, int NP, int VEC>
-__device__ __forceinline__ void load_team_weight(const float* __restrict__ w, long long tcol,
-                                                 long long S, long long H, float offset,
+__device__ __forceinline__ void load_team_weight(const float* __restrict__ w, int tcol, int S,
+                                                 int H, float offset,
                                                  int flags, float (&g)[NP][VEC]) {
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
@@ -254,13 +307,14 @@ __global__ void __launch_bounds__(256)
   constexpr bool TWO = OP != OP_RMS;  // a second row tensor (residual / gate)
   __shared__ float red[2][NP * 32];
   const Team tm = make_team(team_log);
-  const long long P = next_pow2(H);
-  const long long S = static_cast<long long>(VEC) << team_log;
-  const long long tcol = static_cast<long long>(tm.lane) * VEC;
+  const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
+  const int P = static_cast<int>(next_pow2(H));
+  const int S = VEC << team_log;
+  const int tcol = tm.lane * VEC;
   const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
 
   float g[NP][VEC];
-  load_team_weight<OP, NP, VEC>(w, tcol, S, H, offset, flags, g);
+  load_team_weight<OP, NP, VEC>(w, tcol, S, Hc, offset, flags, g);
 
   // rows of this team: row0 + (slot - lead), row0 = lead, lead + nslots, ...
   const long long mine = tm.slot - tm.lead;
@@ -272,8 +326,8 @@ __global__ void __launch_bounds__(256)
       nx[p] = make_uint4(0u, 0u, 0u, 0u);
       nr[p] = nx[p];
       if (row < rows) {
-        nx[p] = load_raw<T>(x + row * sx, p * S + tcol, H);
-        if (TWO) nr[p] = load_raw<T>(r + row * sr, p * S + tcol, H);
+        nx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
+        if (TWO) nr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
       }
     }
   }
@@ -286,18 +340,18 @@ __global__ void __launch_bounds__(256)
       cx[p] = nx[p];
       cr[p] = nr[p];
       if (nrow < rows) {  // prefetch: not read before the next iteration
-        nx[p] = load_raw<T>(x + nrow * sx, p * S + tcol, H);
-        if (TWO) nr[p] = load_raw<T>(r + nrow * sr, p * S + tcol, H);
+        nx[p] = load_raw<T>(x + nrow * sx, p * S + tcol, Hc);
+        if (TWO) nr[p] = load_raw<T>(r + nrow * sr, p * S + tcol, Hc);
       }
     }
     const float rstd =
-        row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, H, P, eps, team_log, red[buf]);
+        row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
     buf ^= 1;
     if (row < rows) {
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
-        const long long col = p * S + tcol;
-        if (col < H) {
+        const int col = p * S + tcol;
+        if (col < Hc) {
           float v[VEC], out[VEC];
           norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
           if constexpr (OP == OP_GATED) {
@@ -319,8 +373,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[p][j]);
           }
-          store_row<T>(y + row * sy, col, H, out);
-          if constexpr (OP == OP_FUSED) store_row<T>(y2 + row * sy2, col, H, v);
+          store_row<T>(y + row * sy, col, Hc, out);
+          if constexpr (OP == OP_FUSED) store_row<T>(y2 + row * sy2, col, Hc, v);
         }
       }
     }
@@ -353,9 +407,10 @@ __global__ void __launch_bounds__(256)
   __shared__ float red[2][NP * 32];
   extern __shared__ float4 stk[];
   const Team tm = make_team(team_log);
-  const long long P = next_pow2(H);
-  const long long S = static_cast<long long>(VEC) << team_log;
-  const long long tcol = static_cast<long long>(tm.lane) * VEC;
+  const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
+  const int P = static_cast<int>(next_pow2(H));
+  const int S = VEC << team_log;
+  const int tcol = tm.lane * VEC;
   const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
   const bool ws_aligned = (H % 4) == 0;
   const int nthr = blockDim.x;
@@ -363,7 +418,7 @@ __global__ void __launch_bounds__(256)
   const long long groups = (rows + R - 1) / R;
 
   float g[NP][VEC];
-  load_team_weight<OP, NP, VEC>(w, tcol, S, H, offset, flags, g);
+  load_team_weight<OP, NP, VEC>(w, tcol, S, Hc, offset, flags, g);
 
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
@@ -371,11 +426,11 @@ __global__ void __launch_bounds__(256)
   auto prefetch = [&](long long row) {
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
-      const long long col = p * S + tcol;
-      nx[p] = load_raw<T>(x + row * sx, col, H);
-      if (TWO) nr[p] = load_raw<T>(r + row * sr, col, H);
-      ndy[p] = load_raw<T>(dy + row * sdy, col, H);
-      if (DRES) ndr[p] = load_raw<T>(dres + row * sdres, col, H);
+      const int col = p * S + tcol;
+      nx[p] = load_raw<T>(x + row * sx, col, Hc);
+      if (TWO) nr[p] = load_raw<T>(r + row * sr, col, Hc);
+      ndy[p] = load_raw<T>(dy + row * sdy, col, Hc);
+      if (DRES) ndr[p] = load_raw<T>(dres + row * sdres, col, Hc);
     }
   };
 #pragma unroll
@@ -404,7 +459,7 @@ __global__ void __launch_bounds__(256)
       if (nactive) prefetch(nrow);
 
       const float rstd =
-          row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, H, P, eps, team_log, red[buf]);
+          row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
       buf ^= 1;
       float part[NP];
 
@@ -412,7 +467,7 @@ __global__ void __launch_bounds__(256)
       float dxh[NP][VEC];
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
-        const long long col = p * S + tcol;
+        const int col = p * S + tcol;
         float v[VEC], dyv[VEC], prod[VEC], c[VEC];
         norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
         unpack<T>(cdy[p], dyv);
@@ -442,7 +497,7 @@ __global__ void __launch_bounds__(256)
             c[k] = mul(du, t);
             prod[k] = mul(dxh[p][k], xhat);
           }
-          if (active && col < H) store_row<T>(d2 + row * sd2, col, H, dg);
+          if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
         } else {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
@@ -452,9 +507,9 @@ __global__ void __launch_bounds__(256)
             prod[k] = mul(dxh[p][k], xhat);
           }
         }
-        zero_beyond<VEC>(c, col, H);
-        zero_beyond<VEC>(prod, col, H);
-        part[p] = local_tree<VEC>(prod, P);
+        zero_beyond<VEC>(c, col, Hc);
+        zero_beyond<VEC>(prod, col, Hc);
+        part[p] = local_tree_i<VEC>(prod, P);
         if (!active) {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
@@ -476,20 +531,20 @@ __global__ void __launch_bounds__(256)
           for (int q = 0; q < Q; ++q)
             stk[((l * NP + p) * Q + q) * nthr + threadIdx.x] =
                 make_float4(c[4 * q], c[4 * q + 1], c[4 * q + 2], c[4 * q + 3]);
-        } else if (group_ok && col < H) {  // j == R - 1: the group's tree
-          store_vec<float, VEC>(ws + gi * H, col, H, ws_aligned, c);
+        } else if (group_ok && col < Hc) {  // j == R - 1: the group's tree
+          store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
         }
       }
       team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
       buf ^= 1;
-      const float m = div_by_count(fold_passes<NP>(part, S, P), H);
+      const float m = div_by_count(fold_passes_i<NP>(part, S, P), H);
 
       // dx (and dresidual)
       if (active) {
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
-          const long long col = p * S + tcol;
-          if (col < H) {
+          const int col = p * S + tcol;
+          if (col < Hc) {
             float v[VEC], out[VEC];
             norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
 #pragma unroll
@@ -504,9 +559,9 @@ __global__ void __launch_bounds__(256)
                 if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
                 out[k] = add(dsn, dr[k]);
               }
-              store_row<T>(d2 + row * sd2, col, H, out);
+              store_row<T>(d2 + row * sd2, col, Hc, out);
             }
-            store_row<T>(dx + row * sdx, col, H, out);
+            store_row<T>(dx + row * sdx, col, Hc, out);
           }
         }
       }
