@@ -263,6 +263,46 @@ __device__ __forceinline__ float local_sum_sq(const float (&v)[VEC], long long c
   return local_tree<VEC>(a, P);
 }
 
+// The gated norm's per-element arithmetic (spec/gated.py), shared by the
+// register, streaming and pipelined kernels. hf: the transformers convention
+// (xhat rounded to the input dtype before the weight; the product rounded too
+// when the weight has the input dtype); otherwise vLLM's (all fp32).
+template <typename T>
+__device__ __forceinline__ float gated_weighted(float xhat, float w, bool hf, bool w_in) {
+  if (!hf) return mul(xhat, w);
+  const float u = mul(DevIO<T>::rt(xhat), w);
+  return w_in ? DevIO<T>::rt(u) : u;
+}
+
+template <typename T>
+__device__ __forceinline__ float gated_forward_elem(float xhat, float w, float z, bool hf,
+                                                    bool w_in, bool sig) {
+  return mul(gated_weighted<T>(xhat, w, hf, w_in), act_fp32(z, sig));
+}
+
+// dgate, dxhat and the dweight contribution of one element.
+struct GatedGrad {
+  float dg, dxh, contrib;
+};
+
+template <typename T>
+__device__ __forceinline__ GatedGrad gated_backward_elem(float xhat, float w, float z, float dy,
+                                                         bool hf, bool w_in, bool sig) {
+  const Act a = act_and_grad_fp32(z, sig);
+  const float t = hf ? DevIO<T>::rt(xhat) : xhat;
+  GatedGrad out;
+  out.dg = mul(mul(dy, gated_weighted<T>(xhat, w, hf, w_in)), a.da);
+  float du = mul(dy, a.a);
+  if (hf) {
+    if (w_in) du = DevIO<T>::rt(du);
+    out.dxh = DevIO<T>::rt(mul(du, w));
+  } else {
+    out.dxh = mul(du, w);
+  }
+  out.contrib = mul(du, t);
+  return out;
+}
+
 // Forward outputs for VEC elements of one row.
 template <int OP, typename T, int VEC>
 __device__ __forceinline__ void write_forward(const float (&v)[VEC], float rstd,
@@ -277,17 +317,8 @@ __device__ __forceinline__ void write_forward(const float (&v)[VEC], float rstd,
     load_vec<T, VEC>(gr, col, H, aligned, z);
     const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float xhat = mul(v[j], rstd);
-      float u;
-      if (hf) {
-        u = mul(DevIO<T>::rt(xhat), wv[j]);
-        if (w_in) u = DevIO<T>::rt(u);
-      } else {
-        u = mul(xhat, wv[j]);
-      }
-      out[j] = mul(u, act_fp32(z[j], sig));
-    }
+    for (int j = 0; j < VEC; ++j)
+      out[j] = gated_forward_elem<T>(mul(v[j], rstd), wv[j], z[j], hf, w_in, sig);
   } else {
     const bool use_off = flags & F_OFFSET;
 #pragma unroll
@@ -318,24 +349,10 @@ __device__ __forceinline__ float backward_first(const float (&v)[VEC], float rst
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float xhat = mul(v[j], rstd);
-      const Act a = act_and_grad_fp32(z[j], sig);
-      float t = xhat, u;
-      if (hf) {
-        t = DevIO<T>::rt(xhat);
-        u = mul(t, wv[j]);
-        if (w_in) u = DevIO<T>::rt(u);
-      } else {
-        u = mul(xhat, wv[j]);
-      }
-      dg[j] = mul(mul(dy[j], u), a.da);
-      float du = mul(dy[j], a.a);
-      if (hf) {
-        if (w_in) du = DevIO<T>::rt(du);
-        dxh[j] = DevIO<T>::rt(mul(du, wv[j]));
-      } else {
-        dxh[j] = mul(du, wv[j]);
-      }
-      contrib[j] = (col + j < H) ? mul(du, t) : 0.0f;
+      const GatedGrad gg = gated_backward_elem<T>(xhat, wv[j], z[j], dy[j], hf, w_in, sig);
+      dg[j] = gg.dg;
+      dxh[j] = gg.dxh;
+      contrib[j] = (col + j < H) ? gg.contrib : 0.0f;
       prod[j] = (col + j < H) ? mul(dxh[j], xhat) : 0.0f;
     }
     store_vec<T, VEC>(d2r, col, H, aligned, dg);

@@ -358,17 +358,8 @@ __global__ void __launch_bounds__(256)
             float z[VEC];
             unpack<T>(cr[p], z);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-              const float xhat = mul(v[j], rstd);
-              float u;
-              if (hf) {
-                u = mul(DevIO<T>::rt(xhat), g[p][j]);
-                if (w_in) u = DevIO<T>::rt(u);
-              } else {
-                u = mul(xhat, g[p][j]);
-              }
-              out[j] = mul(u, act_fp32(z[j], sig));
-            }
+            for (int j = 0; j < VEC; ++j)
+              out[j] = gated_forward_elem<T>(mul(v[j], rstd), g[p][j], z[j], hf, w_in, sig);
           } else {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[p][j]);
@@ -477,24 +468,11 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            const Act a = act_and_grad_fp32(z[k], sig);
-            float t = xhat, u;
-            if (hf) {
-              t = DevIO<T>::rt(xhat);
-              u = mul(t, g[p][k]);
-              if (w_in) u = DevIO<T>::rt(u);
-            } else {
-              u = mul(xhat, g[p][k]);
-            }
-            dg[k] = mul(mul(dyv[k], u), a.da);
-            float du = mul(dyv[k], a.a);
-            if (hf) {
-              if (w_in) du = DevIO<T>::rt(du);
-              dxh[p][k] = DevIO<T>::rt(mul(du, g[p][k]));
-            } else {
-              dxh[p][k] = mul(du, g[p][k]);
-            }
-            c[k] = mul(du, t);
+            const GatedGrad gg =
+                gated_backward_elem<T>(xhat, g[p][k], z[k], dyv[k], hf, w_in, sig);
+            dg[k] = gg.dg;
+            dxh[p][k] = gg.dxh;
+            c[k] = gg.contrib;
             prod[k] = mul(dxh[p][k], xhat);
           }
           if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
