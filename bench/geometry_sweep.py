@@ -1,8 +1,9 @@
 """Sweep the geometry of the torch_ext CUDA kernels (team sizes, dweight groups, kernel family).
 
 The launcher (``backends/csrc/normspec_launch_impl.cuh``) reads ``NORMSPEC_FWD_TEAM``,
-``NORMSPEC_BWD_TEAM``, ``NORMSPEC_BWD_GLOG`` and ``NORMSPEC_PIPE`` (``0``: the register /
-streaming kernels instead of the pipelined ones)
+``NORMSPEC_BWD_TEAM``, ``NORMSPEC_BWD_GLOG``, ``NORMSPEC_PIPE`` (``0``: the register /
+streaming kernels instead of the pipelined ones) and ``NORMSPEC_GATE_TABLE`` (``0``: the
+gated kernels evaluate the activation for every element)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -22,7 +23,7 @@ reported, not fatal. Runtime on an H200: about 2-3 minutes (plus the build
 when the sources changed).
 
 Usage: ``python bench/geometry_sweep.py [--fwd 64,128,256,512,1024] [--bwd 64,128,256]
-[--glog 2,3,4,5] [--out bench/results/sweeps/geometry_sweep.json]``
+[--glog 2,3,4,5] [--teams 4,8,16,64] [--out bench/results/sweeps/geometry_sweep.json]``
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch
 
 EPS = 1e-6
 BF16 = torch.bfloat16
-ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE")
+ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
+            "NORMSPEC_GATE_TABLE")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -173,7 +175,7 @@ def geometry(part: str, hidden: int, team: int | None, vec: int = 8, pipe: bool 
     else:
         default = (1024, 0)
     threads, np_ = default
-    if team:
+    if team and team >= 32:  # smaller teams: pipelined kernels only
         fits = [n for n in (1, 2, 4) if n * team * vec >= hidden]
         if fits:
             threads, np_ = team, fits[0]
@@ -257,9 +259,15 @@ def child(spec_json: str) -> int:
 # --------------------------------------------------------------------------- parent
 
 
-def candidates(fwd: list[int], bwd: list[int], glog: list[int]) -> list[dict]:
-    out = [{"name": "default", "env": {}, "parts": ["fwd", "bwd"]},
-           {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": ["fwd", "bwd"]}]
+def candidates(fwd: list[int], bwd: list[int], glog: list[int],
+               teams: list[int] = ()) -> list[dict]:
+    both = ["fwd", "bwd"]
+    out = [{"name": "default", "env": {}, "parts": both},
+           {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": both},
+           {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both}]
+    out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
+                                          "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
+            for t in teams]
     out += [{"name": f"fwd={t}", "env": {"NORMSPEC_FWD_TEAM": str(t)}, "parts": ["fwd"]}
             for t in fwd]
     out += [{"name": f"bwd={t}", "env": {"NORMSPEC_BWD_TEAM": str(t)}, "parts": ["bwd"]}
@@ -370,6 +378,8 @@ def main(argv=None) -> int:
     p.add_argument("--fwd", default="64,128,256,512,1024", help="NORMSPEC_FWD_TEAM values")
     p.add_argument("--bwd", default="64,128,256", help="NORMSPEC_BWD_TEAM values")
     p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values")
+    p.add_argument("--teams", default="", help="values for both NORMSPEC_FWD_TEAM and "
+                   "NORMSPEC_BWD_TEAM (1..256 reach the pipelined kernels)")
     p.add_argument("--timeout", type=float, default=150.0, help="per candidate, seconds")
     p.add_argument("--out", default="bench/results/sweeps/geometry_sweep.json")
     args = p.parse_args(argv)
@@ -390,7 +400,7 @@ def main(argv=None) -> int:
         refdir = Path(tmp)
         build_references(refdir)
         for cand in candidates(parse_list(args.fwd), parse_list(args.bwd),
-                               parse_list(args.glog)):
+                               parse_list(args.glog), parse_list(args.teams)):
             print(f"candidate {cand['name']} ...", file=sys.stderr, flush=True)
             res = run_child(cand, refdir, args.timeout)
             print(f"  {res.get('wall_s', 0):.0f} s" + (f"  ERROR {res['error']}"

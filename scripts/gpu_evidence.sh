@@ -6,7 +6,8 @@
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep]
-#   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...)
+#   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
+#   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -33,7 +34,7 @@ run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
     tests)
-      run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider tests ;;
+      run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider ${TESTS_PATHS:-tests} ;;
     conformance)  # every backend; CONFORMANCE_ARGS e.g. "--quick"
       run ${CONF_LIMIT:-420} conformance-cuda_bf16 python3 -m nox -s conformance-cuda -- \
         --profile cuda_bf16 ${CONFORMANCE_ARGS:-} ;;
@@ -49,7 +50,7 @@ for s in $stages; do
           --json "reports/compare/$op-cuda_bf16.json" --png "reports/compare/$op-cuda_bf16.png"
       done ;;
     sweep)
-      run ${SWEEP_LIMIT:-420} geometry-sweep python3 bench/geometry_sweep.py ;;
+      run ${SWEEP_LIMIT:-420} geometry-sweep python3 bench/geometry_sweep.py ${SWEEP_ARGS:-} ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac

@@ -194,6 +194,7 @@ enum Flags : int {
   F_SIGMOID = 8,      // gated: activation == "sigmoid"
   F_W_IS_INPUT = 16,  // the weight's dtype is the input dtype (hf: promoted dtype = input)
   F_ALIGNED = 32,     // every row pointer is 16-byte aligned: vector loads allowed
+  F_GATE_TABLE = 64,  // gated bf16, pipelined kernels: activation table in shared memory
 };
 
 }  // namespace normspec

@@ -274,10 +274,17 @@ __device__ __forceinline__ float gated_weighted(float xhat, float w, bool hf, bo
   return w_in ? DevIO<T>::rt(u) : u;
 }
 
+// The output of one element, given act(z).
+template <typename T>
+__device__ __forceinline__ float gated_forward_act(float xhat, float w, float act, bool hf,
+                                                   bool w_in) {
+  return mul(gated_weighted<T>(xhat, w, hf, w_in), act);
+}
+
 template <typename T>
 __device__ __forceinline__ float gated_forward_elem(float xhat, float w, float z, bool hf,
                                                     bool w_in, bool sig) {
-  return mul(gated_weighted<T>(xhat, w, hf, w_in), act_fp32(z, sig));
+  return gated_forward_act<T>(xhat, w, act_fp32(z, sig), hf, w_in);
 }
 
 // dgate, dxhat and the dweight contribution of one element.
@@ -285,10 +292,10 @@ struct GatedGrad {
   float dg, dxh, contrib;
 };
 
+// dgate, dxhat and the dweight contribution, given act(z) and act'(z).
 template <typename T>
-__device__ __forceinline__ GatedGrad gated_backward_elem(float xhat, float w, float z, float dy,
-                                                         bool hf, bool w_in, bool sig) {
-  const Act a = act_and_grad_fp32(z, sig);
+__device__ __forceinline__ GatedGrad gated_backward_act(float xhat, float w, Act a, float dy,
+                                                        bool hf, bool w_in) {
   const float t = hf ? DevIO<T>::rt(xhat) : xhat;
   GatedGrad out;
   out.dg = mul(mul(dy, gated_weighted<T>(xhat, w, hf, w_in)), a.da);
@@ -301,6 +308,12 @@ __device__ __forceinline__ GatedGrad gated_backward_elem(float xhat, float w, fl
   }
   out.contrib = mul(du, t);
   return out;
+}
+
+template <typename T>
+__device__ __forceinline__ GatedGrad gated_backward_elem(float xhat, float w, float z, float dy,
+                                                         bool hf, bool w_in, bool sig) {
+  return gated_backward_act<T>(xhat, w, act_and_grad_fp32(z, sig), dy, hf, w_in);
 }
 
 // Forward outputs for VEC elements of one row.

@@ -9,11 +9,12 @@
 // with NP passes, longer rows the streaming kernels.
 //
 // Tuning override (read once per process, at the first launch or plan):
-//   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 32..1024)
-//   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 32..256: the backward kernel's bound)
-// replace the team size of the register kernels; NP is then the smallest of
-// 1, 2, 4 with NP * threads * VEC >= H, and where none fits the default
-// geometry (possibly the streaming kernel) is kept. Every geometry gives the
+//   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 1..1024)
+//   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
+// replace the team size (the pipelined kernels take 1..256 threads, the
+// register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
+// NP * threads * VEC >= H, and where none fits the default geometry
+// (possibly the streaming kernel) is kept. Every geometry gives the
 // same bits (the reductions follow the spec's tree by index). Invalid values
 // are ignored with one warning on stderr.
 #pragma once
@@ -65,11 +66,11 @@ inline int team_from_env(const char* name, int max_threads) {
   char* end = nullptr;
   errno = 0;
   const long v = std::strtol(s, &end, 10);
-  if (errno == 0 && end != s && *end == '\0' && v >= 32 && v <= max_threads &&
+  if (errno == 0 && end != s && *end == '\0' && v >= 1 && v <= max_threads &&
       (v & (v - 1)) == 0)
     return static_cast<int>(v);
   std::fprintf(stderr,
-               "normspec: ignoring %s=%s (expected a power of two in 32..%d); "
+               "normspec: ignoring %s=%s (expected a power of two in 1..%d); "
                "using the default geometry\n",
                name, s, max_threads);
   return 0;
@@ -101,7 +102,7 @@ inline int group_log_override() {
 // `threads` per team with the fewest passes (1, 2 or 4) that cover H; `fallback`
 // when there is no override or no pass count fits.
 inline Geometry with_team(int threads, long long H, int vec, Geometry fallback) {
-  if (threads <= 0) return fallback;
+  if (threads < 32) return fallback;  // unset, or a team only the pipelined kernels take
   for (int np = 1; np <= 4; np *= 2)
     if (static_cast<long long>(np) * threads * vec >= H) return {threads, np};
   return fallback;
@@ -251,30 +252,72 @@ inline int pipe_max_glog(const PipeGeometry& g, int vec) {
   return l;
 }
 
+// Shared memory of the weight factors (fill_weight_smem: NP * VEC floats per lane).
+inline size_t pipe_weight_bytes(const PipeGeometry& g, int vec) {
+  return (static_cast<size_t>(g.np) * vec * sizeof(float)) << g.team_log;
+}
+// The gate table (bf16 gates of launches with at least this many elements:
+// below it, filling the table costs more than it saves).
+constexpr long long GATE_TABLE_MIN_ELEMENTS = 1LL << 20;
+// NORMSPEC_GATE_TABLE=0 turns the table off (read once per process).
+inline bool gate_table_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_GATE_TABLE");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return on;
+}
+template <int OP, typename T>
+bool use_gate_table(const LaunchArgs& a) {
+  return OP == OP_GATED && IsBf16<T>::value && a.rows * a.H >= GATE_TABLE_MIN_ELEMENTS &&
+         gate_table_enabled();
+}
+// Allow `kernel` the dynamic shared memory `bytes` (above 48 KiB it must opt in).
+template <typename K>
+void allow_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)) != cudaSuccess)
+    cudaGetLastError();  // the launch then reports the error
+}
 template <int OP, typename T, int NP>
-void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
-  static int occ[9] = {0};
+void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+  static int occ[9][2] = {{0}};
+  constexpr int VEC = VecOf<T>::value;
+  const bool table = use_gate_table<OP, T>(a);
+  if (table) a.flags |= F_GATE_TABLE;
+  const size_t smem =
+      pipe_weight_bytes(g, VEC) + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
   auto kernel = normspec_fwd_pipe_kernel<OP, T, NP>;
-  if (occ[g.team_log] == 0) occ[g.team_log] = blocks_per_sm(kernel, g.block(), 0);
-  const unsigned grid = persistent_grid(a.rows, g, occ[g.team_log]);
-  kernel<<<grid, g.block(), 0, stream>>>(
+  int& n = occ[g.team_log][table];
+  if (n == 0) {
+    allow_smem(kernel, smem);
+    n = blocks_per_sm(kernel, g.block(), smem);
+  }
+  const unsigned grid = persistent_grid(a.rows, g, n);
+  kernel<<<grid, g.block(), smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log);
 }
 
 template <int OP, typename T, int NP>
-void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
-                     cudaStream_t stream) {
-  static int occ[9][6] = {{0}};
+void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
+  static int occ[9][6][2] = {{{0}}};
   PipeGeometry g;
   g.team_log = plan.team_log;
   g.np = plan.np;
   constexpr int VEC = VecOf<T>::value;
-  const size_t smem = pipe_stack_bytes(g, VEC, plan.glog);
+  const bool table = use_gate_table<OP, T>(a);
+  if (table) a.flags |= F_GATE_TABLE;
+  const size_t smem = pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC) +
+                      (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
   auto kernel = normspec_bwd_pipe_kernel<OP, T, NP>;
-  int& n = occ[g.team_log][plan.glog];
-  if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
+  int& n = occ[g.team_log][plan.glog][table];
+  if (n == 0) {
+    allow_smem(kernel, smem);
+    n = blocks_per_sm(kernel, g.block(), smem);
+  }
   const unsigned grid = persistent_grid(plan.groups, g, n);
   kernel<<<grid, g.block(), smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<const T*>(a.dy),

@@ -274,20 +274,115 @@ __device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&r
   return rstd_from_ss(fold_passes_i<NP>(part, S, P), H, eps);
 }
 
-// The team's per-column weight factors, read once: g = fp32(offset) + w (or
-// w) for rms / fused; the fp32 weight itself for the gated op.
+// ---- the weight factors in shared memory ----------------------------------------
+// Every team of a block covers the same columns, so the block keeps one copy
+// of the per-column factors g = fp32(offset) + w (or w) for rms / fused, the
+// fp32 weight itself for the gated op: float4 [NP][VEC / 4][team], read with
+// one conflict-free 16-byte load per four elements (registers were the limit
+// for more passes when every thread kept its factors).
+template <int NP, int VEC>
+__device__ __forceinline__ int weight_float4s(int team_log) {
+  return (NP * VEC / 4) << team_log;
+}
+
 template <int OP, int NP, int VEC>
-__device__ __forceinline__ void load_team_weight(const float* __restrict__ w, int tcol, int S,
-                                                 int H, float offset,
-                                                 int flags, float (&g)[NP][VEC]) {
-#pragma unroll
-  for (int p = 0; p < NP; ++p) {
-    load_w<VEC>(w, p * S + tcol, H, true, g[p]);
+__device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
+                                                 const float* __restrict__ w, int team_log,
+                                                 int H, float offset, int flags) {
+  constexpr int Q = VEC / 4;
+  const int n = weight_float4s<NP, VEC>(team_log);
+  const int S = VEC << team_log;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int lane = i & ((1 << team_log) - 1);
+    const int pq = i >> team_log;
+    const int col = (pq / Q) * S + lane * VEC + 4 * (pq % Q);
+    float g[4];
+    load_w<4>(w, col, H, true, g);
     if constexpr (OP != OP_GATED) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) g[p][j] = scale_weight(g[p][j], flags & F_OFFSET, offset);
+      for (int j = 0; j < 4; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
     }
+    wsm[i] = make_float4(g[0], g[1], g[2], g[3]);
   }
+}
+
+// The VEC factors of pass p for this lane.
+template <int VEC>
+__device__ __forceinline__ void weight_of(const float4* __restrict__ wsm, int p, int lane,
+                                          int team_log, float (&g)[VEC]) {
+  constexpr int Q = VEC / 4;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    const float4 v = wsm[((p * Q + q) << team_log) + lane];
+    g[4 * q] = v.x;
+    g[4 * q + 1] = v.y;
+    g[4 * q + 2] = v.z;
+    g[4 * q + 3] = v.w;
+  }
+}
+
+// ---- the gate's activation table (bf16 gates) -------------------------------------
+// A bf16 gate has 2**16 values, so act(z) (and act'(z) in the backward) is a
+// function of 16 bits. Large gated launches evaluate it once per block, with
+// the very same act_fp32 / act_and_grad_fp32, for the gates whose magnitude
+// lies in [2**-24, 2**8) (32 binades of 128 values, both signs: 8192 slots),
+// and evaluate the rest (zeros, tiny and huge values, inf, NaN) directly.
+// The table only saves re-evaluating the declared functions; the bits are
+// theirs by construction.
+constexpr int GATE_TABLE_E0 = 127 - 24;  // the lowest biased exponent in the table
+constexpr int GATE_TABLE_SLOTS = 8192;
+
+template <typename T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<__nv_bfloat16> {
+  static constexpr bool value = true;
+};
+
+// The table slot of a bf16 gate held as fp32 (its low 16 bits are zero), or
+// -1 outside the table's binades.
+__device__ __forceinline__ int gate_slot(float z) {
+  const unsigned int u = __float_as_uint(z) >> 16;
+  const unsigned int t = (u & 0x7fffu) - (GATE_TABLE_E0 << 7);
+  return t < 4096u ? static_cast<int>(t | ((u >> 3) & 0x1000u)) : -1;
+}
+
+// The gate of slot k (the inverse of gate_slot).
+__device__ __forceinline__ float slot_gate(int k) {
+  const unsigned int u = ((static_cast<unsigned int>(k) & 0x1000u) << 3) |
+                         ((static_cast<unsigned int>(k) & 0xfffu) + (GATE_TABLE_E0 << 7));
+  return __uint_as_float(u << 16);
+}
+
+__device__ __forceinline__ void fill_act_table(float* __restrict__ tab, bool sig) {
+  for (int k = threadIdx.x; k < GATE_TABLE_SLOTS; k += blockDim.x)
+    tab[k] = act_fp32(slot_gate(k), sig);
+}
+
+__device__ __forceinline__ void fill_act_grad_table(float2* __restrict__ tab, bool sig) {
+  for (int k = threadIdx.x; k < GATE_TABLE_SLOTS; k += blockDim.x) {
+    const Act a = act_and_grad_fp32(slot_gate(k), sig);
+    tab[k] = make_float2(a.a, a.da);
+  }
+}
+
+__device__ __forceinline__ float act_from(const float* __restrict__ tab, bool use, float z,
+                                          bool sig) {
+  const int k = use ? gate_slot(z) : -1;
+  return k >= 0 ? tab[k] : act_fp32(z, sig);
+}
+
+__device__ __forceinline__ Act act_grad_from(const float2* __restrict__ tab, bool use, float z,
+                                             bool sig) {
+  const int k = use ? gate_slot(z) : -1;
+  if (k < 0) return act_and_grad_fp32(z, sig);
+  const float2 v = tab[k];
+  Act a;
+  a.a = v.x;
+  a.da = v.y;
+  return a;
 }
 
 }  // namespace normspec
@@ -305,16 +400,22 @@ __global__ void __launch_bounds__(256)
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;  // a second row tensor (residual / gate)
+  constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
   __shared__ float red[2][NP * 32];
+  extern __shared__ float4 dyn[];  // weight factors, then the gate table
   const Team tm = make_team(team_log);
   const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
   const int P = static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
   const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+  const bool table = TABLE_OK && (flags & F_GATE_TABLE);
 
-  float g[NP][VEC];
-  load_team_weight<OP, NP, VEC>(w, tcol, S, Hc, offset, flags, g);
+  float4* wsm = dyn;
+  float* tab = reinterpret_cast<float*>(dyn + weight_float4s<NP, VEC>(team_log));
+  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  if (table) fill_act_table(tab, sig);
+  __syncthreads();
 
   // rows of this team: row0 + (slot - lead), row0 = lead, lead + nslots, ...
   const long long mine = tm.slot - tm.lead;
@@ -352,17 +453,19 @@ __global__ void __launch_bounds__(256)
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
         if (col < Hc) {
-          float v[VEC], out[VEC];
+          float v[VEC], out[VEC], g[VEC];
           norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+          weight_of<VEC>(wsm, p, tm.lane, team_log, g);
           if constexpr (OP == OP_GATED) {
             float z[VEC];
             unpack<T>(cr[p], z);
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
-              out[j] = gated_forward_elem<T>(mul(v[j], rstd), g[p][j], z[j], hf, w_in, sig);
+              out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j],
+                                            act_from(tab, table, z[j], sig), hf, w_in);
           } else {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[p][j]);
+            for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[j]);
           }
           store_row<T>(y + row * sy, col, Hc, out);
           if constexpr (OP == OP_FUSED) store_row<T>(y2 + row * sy2, col, Hc, v);
@@ -395,8 +498,9 @@ __global__ void __launch_bounds__(256)
   constexpr int Q = VEC / 4;  // float4 per vector
   constexpr bool TWO = OP != OP_RMS;
   constexpr bool DRES = OP == OP_FUSED;
+  constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
   __shared__ float red[2][NP * 32];
-  extern __shared__ float4 stk[];
+  extern __shared__ float4 stk[];  // dweight stacks, weight factors, gate table
   const Team tm = make_team(team_log);
   const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
   const int P = static_cast<int>(next_pow2(H));
@@ -408,8 +512,12 @@ __global__ void __launch_bounds__(256)
   const long long R = 1LL << glog;
   const long long groups = (rows + R - 1) / R;
 
-  float g[NP][VEC];
-  load_team_weight<OP, NP, VEC>(w, tcol, S, Hc, offset, flags, g);
+  const bool table = TABLE_OK && (flags & F_GATE_TABLE);
+  float4* wsm = stk + glog * NP * Q * nthr;
+  float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
+  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  if (table) fill_act_grad_table(tab, sig);
+  __syncthreads();
 
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
@@ -459,17 +567,18 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
-        float v[VEC], dyv[VEC], prod[VEC], c[VEC];
+        float v[VEC], dyv[VEC], prod[VEC], c[VEC], g[VEC];
         norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
         unpack<T>(cdy[p], dyv);
+        weight_of<VEC>(wsm, p, tm.lane, team_log, g);
         if constexpr (OP == OP_GATED) {
           float z[VEC], dg[VEC];
           unpack<T>(cr[p], z);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            const GatedGrad gg =
-                gated_backward_elem<T>(xhat, g[p][k], z[k], dyv[k], hf, w_in, sig);
+            const GatedGrad gg = gated_backward_act<T>(
+                xhat, g[k], act_grad_from(tab, table, z[k], sig), dyv[k], hf, w_in);
             dg[k] = gg.dg;
             dxh[p][k] = gg.dxh;
             c[k] = gg.contrib;
@@ -480,7 +589,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            dxh[p][k] = mul(dyv[k], g[p][k]);
+            dxh[p][k] = mul(dyv[k], g[k]);
             c[k] = mul(dyv[k], xhat);
             prod[k] = mul(dxh[p][k], xhat);
           }
