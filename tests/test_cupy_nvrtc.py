@@ -205,8 +205,10 @@ int main() {
     }
   }
   for (long long H : Hs) for (int vec : {4, 8}) {
-    PipeGeometry g = pipe_geometry(H, vec, 0);
-    printf("W %lld %d %d %d\n", H, vec, g.team_log, g.np);
+    for (int bwd : {0, 1}) {
+      PipeGeometry g = pipe_geometry(H, vec, 0, bwd);
+      printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
+    }
   }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
   for (long long u : Rs)
@@ -221,13 +223,15 @@ RS = (0, 1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 100, 257, 1000, 4096, 65535, 65536,
       1000000, 1 << 33)
 
 
-def pipe_default(hidden: int, vec: int) -> tuple[int, int]:
+def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int]:
     """(team_log, NP) of the pipelined kernels' default geometry, (0, 0) where they do
     not apply (documented in normspec_launch_impl.cuh)."""
     nvec = -(-hidden // vec)
     if nvec > 1024:
         return 0, 0
-    team = cb.next_pow2(nvec) if nvec <= 32 else cb.next_pow2(nvec) // 2 if nvec <= 512 else 256
+    one_pass = 32 if backward else 8
+    team = (cb.next_pow2(nvec) if nvec <= one_pass else
+            cb.next_pow2(nvec) // 2 if nvec <= 512 else 256)
     np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
     return team.bit_length() - 1, np_
 
@@ -276,8 +280,8 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
         elif kind == "Q":
             check_pipe_plan(*v, line=line)
         elif kind == "W":
-            hidden, vec, team_log, np_ = v
-            assert (team_log, np_) == pipe_default(hidden, vec), line
+            hidden, vec, bwd, team_log, np_ = v
+            assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
         elif kind == "C":
             assert cb.col_tree_rows_out(v[0]) == v[1], line
         elif kind == "F":

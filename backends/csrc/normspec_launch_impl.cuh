@@ -178,17 +178,23 @@ inline int log2_exact(long long v) {
 }
 
 // threads per team from the override (0: default), NP the fewest passes that cover H.
-inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads) {
+// Defaults (H200 sweeps, bench/results/sweeps/): two passes per thread from 9
+// vectors on in the forward (H = 128 bf16: 8 lanes x 2, 3.19 vs 2.94 TB/s for 16 x 1)
+// and from 33 vectors on in the backward (H = 256: 32 x 1 beat 16 x 2, 2.87 vs
+// 2.48 TB/s); teams of 1..32 lanes share warps; 256 x 4 for 513..1024 vectors.
+inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads,
+                                  bool backward) {
   PipeGeometry g;
   if (!pipe_enabled()) return g;
   const long long nvec = (H + vec - 1) / vec;
+  const long long one_pass = backward ? 32 : 8;  // up to this many vectors: one pass
   long long threads;
   if (override_threads > 0) {
     threads = override_threads;
-  } else if (nvec <= 32) {
-    threads = next_pow2(nvec);  // one pass; teams of 1..32 lanes share warps
+  } else if (nvec <= one_pass) {
+    threads = next_pow2(nvec);
   } else if (nvec <= 512) {
-    threads = next_pow2(nvec) / 2;  // two passes (measured: 2 loads in flight beat 1)
+    threads = next_pow2(nvec) / 2;
   } else {
     threads = 256;
   }
@@ -272,14 +278,23 @@ bool use_gate_table(const LaunchArgs& a) {
   return OP == OP_GATED && IsBf16<T>::value && a.rows * a.H >= GATE_TABLE_MIN_ELEMENTS &&
          gate_table_enabled();
 }
-// Allow `kernel` the dynamic shared memory `bytes` (above 48 KiB it must opt in).
+// Let `kernel` use all the dynamic shared memory the device allows a block
+// (past 48 KiB, static included, a kernel must opt in). Always the same value,
+// so launches with different needs never undo each other's opt-in.
 template <typename K>
-void allow_smem(K kernel, size_t bytes) {
-  if (bytes > 48 * 1024 &&
+void allow_smem(K kernel) {
+  int dev = 0, optin = 0;
+  cudaFuncAttributes fa;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess ||
+      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(bytes)) != cudaSuccess)
+                           optin - static_cast<int>(fa.sharedSizeBytes)) != cudaSuccess)
     cudaGetLastError();  // the launch then reports the error
 }
+// Dynamic shared memory that needs the opt-in (with the kernels' few static bytes).
+inline bool needs_optin(size_t bytes) { return bytes + 1024 > 48 * 1024; }
 template <int OP, typename T, int NP>
 void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   static int occ[9][2] = {{0}};
@@ -289,11 +304,9 @@ void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   const size_t smem =
       pipe_weight_bytes(g, VEC) + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
   auto kernel = normspec_fwd_pipe_kernel<OP, T, NP>;
+  if (needs_optin(smem)) allow_smem(kernel);  // per launch: the device may change
   int& n = occ[g.team_log][table];
-  if (n == 0) {
-    allow_smem(kernel, smem);
-    n = blocks_per_sm(kernel, g.block(), smem);
-  }
+  if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(a.rows, g, n);
   kernel<<<grid, g.block(), smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
@@ -313,11 +326,9 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
   const size_t smem = pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC) +
                       (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
   auto kernel = normspec_bwd_pipe_kernel<OP, T, NP>;
+  if (needs_optin(smem)) allow_smem(kernel);  // per launch: the device may change
   int& n = occ[g.team_log][plan.glog][table];
-  if (n == 0) {
-    allow_smem(kernel, smem);
-    n = blocks_per_sm(kernel, g.block(), smem);
-  }
+  if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(plan.groups, g, n);
   kernel<<<grid, g.block(), smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<const T*>(a.dy),
@@ -329,7 +340,7 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
 template <int OP, typename T>
 void forward_t(const LaunchArgs& a, cudaStream_t stream) {
   if (a.flags & F_ALIGNED) {
-    const PipeGeometry pg = pipe_geometry(a.H, VecOf<T>::value, forward_team_override());
+    const PipeGeometry pg = pipe_geometry(a.H, VecOf<T>::value, forward_team_override(), false);
     switch (pg.np) {
       case 1:
         return forward_pipe_t<OP, T, 1>(a, pg, stream);
