@@ -341,12 +341,13 @@ struct IsBf16<__nv_bfloat16> {
   static constexpr bool value = true;
 };
 
-// The table slot of a bf16 gate held as fp32 (its low 16 bits are zero), or
-// -1 outside the table's binades.
-__device__ __forceinline__ int gate_slot(float z) {
+// The table slot of a bf16 gate held as fp32 (its low 16 bits are zero),
+// always a valid index; `miss` tells whether the gate lies outside the table.
+__device__ __forceinline__ int gate_slot(float z, bool& miss) {
   const unsigned int u = __float_as_uint(z) >> 16;
   const unsigned int t = (u & 0x7fffu) - (GATE_TABLE_E0 << 7);
-  return t < 4096u ? static_cast<int>(t | ((u >> 3) & 0x1000u)) : -1;
+  miss = t >= 4096u;
+  return static_cast<int>((t & 0xfffu) | ((u >> 3) & 0x1000u));
 }
 
 // The gate of slot k (the inverse of gate_slot).
@@ -368,16 +369,41 @@ __device__ __forceinline__ void fill_act_grad_table(float2* __restrict__ tab, bo
   }
 }
 
-__device__ __forceinline__ float act_from(const float* __restrict__ tab, bool use, float z,
-                                          bool sig) {
-  const int k = use ? gate_slot(z) : -1;
-  return k >= 0 ? tab[k] : act_fp32(z, sig);
+// The declared function out of line, for the rare gates outside the table: the
+// forward's hot loop is short then (ncu: instruction-fetch stalls when inlined).
+static __device__ __noinline__ float act_cold(float z, bool sig) { return act_fp32(z, sig); }
+
+// act(z) of VEC gates from the table: straight-line reads, then one rarely
+// taken branch that evaluates the gates outside the table.
+template <int VEC>
+__device__ __forceinline__ void acts_from_table(const float* __restrict__ tab,
+                                                const float (&z)[VEC], bool sig,
+                                                float (&act)[VEC]) {
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    bool miss;
+    act[j] = tab[gate_slot(z[j], miss)];
+    any |= miss;
+  }
+  if (any) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      bool miss;
+      gate_slot(z[j], miss);
+      if (miss) act[j] = act_cold(z[j], sig);
+    }
+  }
 }
 
-__device__ __forceinline__ Act act_grad_from(const float2* __restrict__ tab, bool use, float z,
-                                             bool sig) {
-  const int k = use ? gate_slot(z) : -1;
-  if (k < 0) return act_and_grad_fp32(z, sig);
+// act(z) and act'(z) of one gate: the table, or the declared function for the
+// gates outside it. Per element and inline: the forward's batched form with an
+// out-of-line slow path costs the backward registers (98-121 instead of 80).
+__device__ __forceinline__ Act act_grad_from_table(const float2* __restrict__ tab, float z,
+                                                   bool sig) {
+  bool miss;
+  const int k = gate_slot(z, miss);
+  if (miss) return act_and_grad_fp32(z, sig);
   const float2 v = tab[k];
   Act a;
   a.a = v.x;
@@ -413,10 +439,6 @@ __global__ void __launch_bounds__(256)
 
   float4* wsm = dyn;
   float* tab = reinterpret_cast<float*>(dyn + weight_float4s<NP, VEC>(team_log));
-  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
-  if (table) fill_act_table(tab, sig);
-  __syncthreads();
-
   // rows of this team: row0 + (slot - lead), row0 = lead, lead + nslots, ...
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], nx[NP], nr[NP];
@@ -432,6 +454,10 @@ __global__ void __launch_bounds__(256)
       }
     }
   }
+  // the weight factors and the gate table while the first rows are in flight
+  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  if (table) fill_act_table(tab, sig);
+  __syncthreads();
   int buf = 0;
   for (long long row0 = tm.lead; row0 < rows; row0 += tm.nslots) {
     const long long row = row0 + mine;
@@ -457,12 +483,17 @@ __global__ void __launch_bounds__(256)
           norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
           weight_of<VEC>(wsm, p, tm.lane, team_log, g);
           if constexpr (OP == OP_GATED) {
-            float z[VEC];
+            float z[VEC], act[VEC];
             unpack<T>(cr[p], z);
+            if (table) {
+              acts_from_table<VEC>(tab, z, sig, act);
+            } else {
+#pragma unroll
+              for (int j = 0; j < VEC; ++j) act[j] = act_fp32(z[j], sig);
+            }
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
-              out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j],
-                                            act_from(tab, table, z[j], sig), hf, w_in);
+              out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j], act[j], hf, w_in);
           } else {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[j]);
@@ -515,10 +546,6 @@ __global__ void __launch_bounds__(256)
   const bool table = TABLE_OK && (flags & F_GATE_TABLE);
   float4* wsm = stk + glog * NP * Q * nthr;
   float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
-  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
-  if (table) fill_act_grad_table(tab, sig);
-  __syncthreads();
-
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -538,6 +565,10 @@ __global__ void __launch_bounds__(256)
     const long long gi = tm.lead + mine;
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
   }
+  // the weight factors and the gate table while the first rows are in flight
+  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  if (table) fill_act_grad_table(tab, sig);
+  __syncthreads();
   int buf = 0;
   for (long long g0 = tm.lead; g0 < groups; g0 += tm.nslots) {
     const long long gi = g0 + mine;
@@ -577,8 +608,9 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            const GatedGrad gg = gated_backward_act<T>(
-                xhat, g[k], act_grad_from(tab, table, z[k], sig), dyv[k], hf, w_in);
+            const Act act = table ? act_grad_from_table(tab, z[k], sig)
+                                  : act_and_grad_fp32(z[k], sig);
+            const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
             dg[k] = gg.dg;
             dxh[p][k] = gg.dxh;
             c[k] = gg.contrib;
