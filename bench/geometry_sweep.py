@@ -417,6 +417,9 @@ def main(argv=None) -> int:
            "sm_count": props.multi_processor_count,
            "command": "python bench/geometry_sweep.py " + " ".join(argv or sys.argv[1:]),
            "total_s": time.perf_counter() - t_start}
+    from normspec.report import git_state
+
+    env["git"] = git_state()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": env, "invalid_value_check": warning,

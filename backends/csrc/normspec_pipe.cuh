@@ -6,7 +6,10 @@
 // memory system is kept busy:
 //
 //   * persistent teams: a team keeps its columns for the whole launch, so
-//     the weight is read (and offset) once per team, not once per row;
+//     the weight is read (and offset) once per block into shared memory, not
+//     once per row (and costs no registers);
+//   * large bf16 gated launches read act(z) (and act'(z)) from a per-block
+//     table that the declared functions fill (see fill_act_table);
 //   * software pipelining: the raw 16-byte vectors of the team's *next* row
 //     (every row tensor: x, residual or gate, dy, dresidual) are loaded
 //     before the current row is reduced, and nothing reads them until the

@@ -10,15 +10,21 @@ unit of their own, compiled in parallel) and cached.
 
 CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at
 most 1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the
-*pipelined* kernels: persistent teams that read the weight once, load the next
-row while reducing the current one, and keep the backward's dweight stacks in
-shared memory. Other rows (unaligned views, longer rows) run on the register
+*pipelined* kernels: persistent teams that keep the weight factors in shared
+memory, load the next row while reducing the current one, and keep the
+backward's dweight stacks in shared memory. Large bf16 gated launches (at least
+2**20 elements) also evaluate the gate's activation (and its derivative) once
+per block into a shared-memory table for the 8192 bf16 gates with magnitude in
+[2**-24, 2**8), with the declared functions themselves, and evaluate the other
+gates directly. Other rows (unaligned views, longer rows) run on the register
 and streaming kernels, which the CuPy backend shares. Every geometry gives the
 same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
-* ``NORMSPEC_FWD_TEAM`` / ``NORMSPEC_BWD_TEAM``: threads per row (a power of two);
-* ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..5).
+* ``NORMSPEC_FWD_TEAM`` / ``NORMSPEC_BWD_TEAM``: threads per row (a power of two;
+  1..256 for the pipelined kernels, 32 and more for the register kernels);
+* ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..5);
+* ``NORMSPEC_GATE_TABLE=0``: no activation table (every gate evaluated).
 
 Python API (validation errors are the spec's):
 
