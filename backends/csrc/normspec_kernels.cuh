@@ -157,9 +157,10 @@ __device__ __forceinline__ void load_w(const float* __restrict__ w, long long co
 
 // ---- the tree ---------------------------------------------------------------------
 // Fold VEC thread-local values (segment [0, VEC) of the thread) down to the
-// tree of the first min(VEC, P) of them.
-template <int VEC>
-__device__ __forceinline__ float local_tree(float (&a)[VEC], long long P) {
+// tree of the first min(VEC, P) of them. Bound: long long here, int in the
+// pipelined kernels (rows of at most 8192 elements: 32-bit compares).
+template <int VEC, typename Bound>
+__device__ __forceinline__ float local_tree(float (&a)[VEC], Bound P) {
 #pragma unroll
   for (int s = VEC; s > 1; s >>= 1) {
     if (s <= P) {
@@ -210,11 +211,11 @@ __device__ __forceinline__ void team_reduce(float (&part)[NP], long long P, floa
 }
 
 // Fold the per-pass segment trees (segment S) into the tree of [0, P).
-template <int NP>
-__device__ __forceinline__ float fold_passes(float (&part)[NP], long long S, long long P) {
+template <int NP, typename Bound>
+__device__ __forceinline__ float fold_passes(float (&part)[NP], Bound S, Bound P) {
 #pragma unroll
   for (int s = NP; s > 1; s >>= 1) {
-    if (static_cast<long long>(s) * S <= P) {
+    if (static_cast<Bound>(s) * S <= P) {
 #pragma unroll
       for (int i = 0; i < s / 2; ++i) part[i] = add(part[2 * i], part[2 * i + 1]);
     }

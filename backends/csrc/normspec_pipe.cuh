@@ -127,32 +127,6 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
   }
 }
 
-// local_tree / fold_passes of normspec_kernels.cuh with int bounds (rows of
-// the pipelined kernels are at most 8192 elements).
-template <int VEC>
-__device__ __forceinline__ float local_tree_i(float (&a)[VEC], int P) {
-#pragma unroll
-  for (int s = VEC; s > 1; s >>= 1) {
-    if (s <= P) {
-#pragma unroll
-      for (int i = 0; i < s / 2; ++i) a[i] = add(a[2 * i], a[2 * i + 1]);
-    }
-  }
-  return a[0];
-}
-
-template <int NP>
-__device__ __forceinline__ float fold_passes_i(float (&part)[NP], int S, int P) {
-#pragma unroll
-  for (int s = NP; s > 1; s >>= 1) {
-    if (s * S <= P) {
-#pragma unroll
-      for (int i = 0; i < s / 2; ++i) part[i] = add(part[2 * i], part[2 * i + 1]);
-    }
-  }
-  return part[0];
-}
-
 // ---- team geometry and reduction ------------------------------------------------
 struct Team {
   int log;         // log2(threads per team)
@@ -257,7 +231,7 @@ __device__ __forceinline__ float sum_sq_masked(const float (&v)[VEC], int col, i
 #pragma unroll
   for (int j = 0; j < VEC; ++j) a[j] = mul(v[j], v[j]);
   zero_beyond<VEC>(a, col, H);
-  return local_tree_i<VEC>(a, P);
+  return local_tree<VEC>(a, P);
 }
 
 // rstd of the row whose raw vectors the team holds (every lane gets it).
@@ -274,7 +248,7 @@ __device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&r
     part[p] = sum_sq_masked<VEC>(v, p * S + tcol, H, P);
   }
   team_reduce_pipe<NP, VEC>(part, P, team_log, red);
-  return rstd_from_ss(fold_passes_i<NP>(part, S, P), H, eps);
+  return rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
 }
 
 // ---- the weight factors in shared memory ----------------------------------------
@@ -631,7 +605,7 @@ __global__ void __launch_bounds__(256)
         }
         zero_beyond<VEC>(c, col, Hc);
         zero_beyond<VEC>(prod, col, Hc);
-        part[p] = local_tree_i<VEC>(prod, P);
+        part[p] = local_tree<VEC>(prod, P);
         if (!active) {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
@@ -659,7 +633,7 @@ __global__ void __launch_bounds__(256)
       }
       team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
       buf ^= 1;
-      const float m = div_by_count(fold_passes_i<NP>(part, S, P), H);
+      const float m = div_by_count(fold_passes<NP>(part, S, P), H);
 
       // dx (and dresidual)
       if (active) {
