@@ -16,9 +16,13 @@ bandwidth, and writes JSON to ``bench/results/<gpu>.json``.
 Bytes are the fewest a kernel must move: every row input read once, every
 row output written once (the weight and dweight are negligible at these
 sizes and not counted). Times are medians of CUDA-event timings
-(``triton.testing.do_bench``, return_mode="median").
+(``triton.testing.do_bench``, return_mode="median"), taken in ``--rounds``
+interleaved rounds (every backend of a case once per round, round after round),
+so that a slow spell of a shared machine hits every backend alike; a row keeps
+the median over the rounds, every round's value and their spread
+((max - min) / median), and the table flags spreads over 10 %.
 
-Usage: ``python bench/run.py [--quick] [--out bench/results]``
+Usage: ``python bench/run.py [--quick] [--rounds 3] [--out bench/results]``
 """
 
 from __future__ import annotations
@@ -38,17 +42,50 @@ EPS = 1e-6
 BF16 = torch.bfloat16
 
 
-def bench_ms(fn: Callable[[], object]) -> float:
+#: Target milliseconds of one timing (do_bench's ``rep``), split over the rounds.
+REP_MS = 200
+ROUNDS = 3
+NOISY = 0.10
+
+
+def bench_ms(fn: Callable[[], object], rep: float = REP_MS) -> float:
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def interleaved_rounds(jobs: dict, rounds: int) -> tuple[dict, dict]:
+    """Run every job (a callable returning milliseconds) once per round, in the
+    same order each round: a, b, c, a, b, c, ... Returns ``(times, errors)``:
+    each job's list of times and, for a job that raised, its error (the job is
+    not run again)."""
+    times: dict = {key: [] for key in jobs}
+    errors: dict = {}
+    for _ in range(rounds):
+        for key, job in jobs.items():
+            if key in errors:
+                continue
+            try:
+                times[key].append(float(job()))
+            except Exception as exc:
+                errors[key] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(file=sys.stderr)
+    return times, errors
+
+
+def summarize(times: list[float]) -> tuple[float, float]:
+    """Median of the rounds and their spread, (max - min) / median."""
+    ordered = sorted(times)
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+    return median, (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
 
 
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (TB/s)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    ms = min(bench_ms(lambda: dst.copy_(src)) for _ in range(ROUNDS))
     return 2 * src.numel() / (ms * 1e-3) / 1e12
 
 
@@ -187,54 +224,77 @@ def split_directions(row: dict) -> list[dict]:
             "direction": direction, "us": row.get(f"{direction}_us"),
             "tbps": row.get(f"{direction}_tbps"),
             "copy_fraction": row.get(f"{direction}_copy_fraction"),
+            **({"us_rounds": row[f"{direction}_us_rounds"],
+                "spread": row[f"{direction}_spread"]} if f"{direction}_spread" in row else {}),
             **({"error": row["error"]} if "error" in row else {}),
         })
     return out
 
 
-def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool) -> list[dict]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
+              device: str = "cuda") -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
     n_in = {"norm": 1, "fused": 2, "gated": 2}[kind]
     n_out = {"norm": 1, "fused": 2, "gated": 1}[kind]
-    ins = [torch.randn(rows, hidden, device="cuda", generator=gen).to(BF16) for _ in range(n_in)]
+    ins = [torch.randn(rows, hidden, device=device, generator=gen).to(BF16)
+           for _ in range(n_in)]
     if kind == "gated":
-        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(BF16)
+        weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(BF16)
         peers = peers_gated(weight)
     else:
-        weight = (0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(BF16)
+        weight = (0.1 * torch.randn(hidden, device=device, generator=gen)).to(BF16)
         peers = peers_norm(weight) if kind == "norm" else peers_fused(weight)
     elem = rows * hidden * 2
     fwd_bytes = (n_in + n_out) * elem
     # backward reads the incoming gradients and the saved inputs, writes the input gradients
     bwd_bytes = (n_out + n_in + n_in) * elem
-    results = []
+    rows_out, jobs = {}, {}
+    rep = max(20.0, REP_MS / ROUNDS)
     for name, fn in peers.items():
         if BACKEND_FILTER and not any(f in name for f in BACKEND_FILTER):
             continue
-        row = {"kind": kind, "shape": [rows, hidden], "backend": name}
-        try:
+        rows_out[name] = {"kind": kind, "shape": [rows, hidden], "backend": name}
+
+        def forward(fn=fn):
             with torch.no_grad():
-                ms = bench_ms(lambda fn=fn: fn(*ins))
-            row["forward_us"] = ms * 1e3
-            row["forward_tbps"] = fwd_bytes / (ms * 1e-3) / 1e12
-            row["forward_copy_fraction"] = row["forward_tbps"] / bw
-            if not quick or rows >= 4096:
-                leaves = [t.detach().clone().requires_grad_() for t in ins]
-                out = fn(*leaves)
-                outs = list(out) if isinstance(out, tuple | list) else [out]
-                grads = [torch.randn_like(o) for o in outs]
-                params = [p for p in _weights(fn) if p.requires_grad]
-                wrt = leaves + params
-                ms_b = bench_ms(lambda outs=outs, wrt=wrt, grads=grads: torch.autograd.grad(
-                    outs, wrt, grads, retain_graph=True, allow_unused=True))
-                row["backward_us"] = ms_b * 1e3
-                row["backward_tbps"] = bwd_bytes / (ms_b * 1e-3) / 1e12
-                row["backward_copy_fraction"] = row["backward_tbps"] / bw
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc(file=sys.stderr)
-        results.append(row)
-    return results
+                return bench_ms(lambda: fn(*ins), rep)
+
+        jobs[(name, "forward")] = forward
+        if not quick or rows >= 4096:
+            jobs[(name, "backward")] = _backward_job(fn, ins, rep)
+    times, errors = interleaved_rounds(jobs, ROUNDS)
+    nbytes = {"forward": fwd_bytes, "backward": bwd_bytes}
+    for (name, direction), ms_list in times.items():
+        row = rows_out[name]
+        if (name, direction) in errors:
+            row.setdefault("error", errors[(name, direction)])
+            continue
+        ms, spread = summarize(ms_list)
+        row[f"{direction}_us"] = ms * 1e3
+        row[f"{direction}_us_rounds"] = [t * 1e3 for t in ms_list]
+        row[f"{direction}_spread"] = spread
+        row[f"{direction}_tbps"] = nbytes[direction] / (ms * 1e-3) / 1e12
+        row[f"{direction}_copy_fraction"] = row[f"{direction}_tbps"] / bw
+    return list(rows_out.values())
+
+
+def _backward_job(fn, ins, rep):
+    """A job timing dx and dweight together (the graph is built at the first call)."""
+    state = {}
+
+    def job():
+        if not state:
+            leaves = [t.detach().clone().requires_grad_() for t in ins]
+            out = fn(*leaves)
+            outs = list(out) if isinstance(out, tuple | list) else [out]
+            state["outs"] = outs
+            state["grads"] = [torch.randn_like(o) for o in outs]
+            state["wrt"] = leaves + [p for p in _weights(fn) if p.requires_grad]
+        return bench_ms(lambda: torch.autograd.grad(
+            state["outs"], state["wrt"], state["grads"], retain_graph=True,
+            allow_unused=True), rep)
+
+    return job
 
 
 def _weights(fn) -> list[torch.Tensor]:
@@ -274,6 +334,7 @@ BACKEND_FILTER: tuple[str, ...] = ()
 
 
 def main(argv=None) -> int:
+    global BACKEND_FILTER, ROUNDS
     # torch.compile donates buffers to its backward, which then refuses the
     # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
     import torch._functorch.config as functorch_config
@@ -281,6 +342,8 @@ def main(argv=None) -> int:
     functorch_config.donated_buffer = False
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip backward on small shapes")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="interleaved timing rounds per case (median kept; default 3)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--backend", action="append", default=[], metavar="SUBSTRING",
                    help="time only peers whose name contains this (repeatable)")
@@ -291,8 +354,10 @@ def main(argv=None) -> int:
         cases = [parse_case(c) for c in args.case] or CASES
     except ValueError as exc:
         p.error(str(exc))
-    global BACKEND_FILTER
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     BACKEND_FILTER = tuple(args.backend)
+    ROUNDS = args.rounds
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -322,16 +387,24 @@ def main(argv=None) -> int:
     print(f"\ncopy bandwidth {bw:.2f} TB/s (read + write); results in {path}\n")
     print(f"{'case':<22}{'backend':<34}{'fwd us':>9}{'TB/s':>7}{'%copy':>7}"
           f"{'bwd us':>10}{'TB/s':>7}{'%copy':>7}")
+    noisy = 0
     for row in rows:
         case = f"{row['kind']} {row['shape'][0]}x{row['shape'][1]}"
-        if "error" in row:
-            print(f"{case:<22}{row['backend']:<34} error: {row['error'][:60]}")
+        if "forward_us" not in row:
+            print(f"{case:<22}{row['backend']:<34} error: {row.get('error', '?')[:60]}")
             continue
-        fwd = (f"{row['forward_us']:>9.1f}{row['forward_tbps']:>7.2f}"
-               f"{100 * row['forward_copy_fraction']:>6.0f}%")
-        bwd = (f"{row['backward_us']:>10.1f}{row['backward_tbps']:>7.2f}"
-               f"{100 * row['backward_copy_fraction']:>6.0f}%") if "backward_us" in row else ""
-        print(f"{case:<22}{row['backend']:<34}{fwd}{bwd}")
+        cells = []
+        for d, width in (("forward", 9), ("backward", 10)):
+            if f"{d}_us" not in row:
+                continue
+            flag = "*" if row[f"{d}_spread"] > NOISY else " "
+            noisy += flag == "*"
+            cells.append(f"{row[f'{d}_us']:>{width}.1f}{row[f'{d}_tbps']:>7.2f}"
+                         f"{100 * row[f'{d}_copy_fraction']:>6.0f}%{flag}")
+        print(f"{case:<22}{row['backend']:<34}{''.join(cells)}")
+    if noisy:
+        print(f"\n* {noisy} timing(s) varied by more than {100 * NOISY:.0f}% across the "
+              f"{ROUNDS} rounds (us_rounds in the JSON)")
     return 0
 
 

@@ -14,7 +14,9 @@ Expected schema of a results file (one file per run; see ``notes/docs.md``)::
 ``environment`` is shown as given (nested values flattened); each row is one
 timing: ``us`` the median time in microseconds, ``tbps`` the achieved memory
 bandwidth in TB/s, ``copy_fraction`` that bandwidth as a fraction of a plain
-device copy of the same bytes. Divergence matrices written by
+device copy of the same bytes; optional ``us_rounds`` (each timing round's
+median) and ``spread`` ((max - min) / median over the rounds, shown as a
+column when present). Divergence matrices written by
 ``normspec compare`` under ``reports/compare/`` (PNG heatmaps, JSON) are shown
 on the same page and on the operator pages.
 """
@@ -164,14 +166,17 @@ def benchmarks_page(
         directions += sorted({str(r["direction"]) for r in res.rows} - set(directions))
         for direction in directions:
             rows = [r for r in res.rows if r["direction"] == direction]
+            spread = any(isinstance(r.get("spread"), int | float) for r in rows)
             lines += [f"### {res.stem}: {direction}", "",
-                      "| case | shape | backend | µs | TB/s | copy fraction |",
-                      "| --- | --- | --- | ---: | ---: | ---: |"]
+                      "| case | shape | backend | µs | TB/s | copy fraction |"
+                      + (" spread |" if spread else ""),
+                      "| --- | --- | --- | ---: | ---: | ---: |" + (" ---: |" if spread else "")]
             for r in rows:
                 lines.append(
                     f"| `{_cell(r['name'])}` | {_shape(r.get('shape'))} | `{_cell(r['backend'])}` "
                     f"| {_num(r.get('us'), '.2f')} | {_num(r.get('tbps'), '.3f')} "
-                    f"| {_num(r.get('copy_fraction'), '.2f')} |")
+                    f"| {_num(r.get('copy_fraction'), '.2f')} |"
+                    + (f" {_num(r.get('spread'), '.0%')} |" if spread else ""))
             png = f"{image_dir}/{res.stem}-{direction}.png"
             files[png] = plot_png(rows, f"{res.stem}: {direction}")
             lines += ["", f"![{res.stem} {direction}]({png})", ""]

@@ -163,6 +163,13 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
     assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 |" in md
     assert set(files) == {"assets/bench/h200-forward.png", "assets/bench/h200-backward.png"}
     assert all(data.startswith(b"\x89PNG") for data in files.values())
+    assert "spread" not in md
+    rows[0].update(us_rounds=[9.0, 10.0, 10.5], spread=0.15)
+    (tmp_path / "h200.json").write_text(json.dumps({"environment": {}, "rows": rows}))
+    md, _ = bench.benchmarks_page(bench.load_results(tmp_path))
+    assert "| copy fraction | spread |" in md
+    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
+    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 | — |" in md
 
 
 def test_readme_quickstart_is_the_readme_block():

@@ -1,0 +1,99 @@
+"""The bench's timing bookkeeping (no GPU needed): interleaved rounds, the median and
+spread kept per row, and the rows the docs render."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_run", Path(__file__).resolve().parents[1] / "bench" / "run.py")
+run = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(run)
+
+
+def test_rounds_interleave_every_job_and_drop_a_failing_one():
+    calls = []
+
+    def job(name, value):
+        def f():
+            calls.append(name)
+            return value
+        return f
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("no kernel")
+
+    jobs = {"a": job("a", 1.0), "broken": broken, "b": job("b", 2.0)}
+    times, errors = run.interleaved_rounds(jobs, 3)
+    assert calls == ["a", "broken", "b", "a", "b", "a", "b"]
+    assert times["a"] == [1.0, 1.0, 1.0] and times["b"] == [2.0, 2.0, 2.0]
+    assert errors == {"broken": "RuntimeError: no kernel"}
+
+
+@pytest.mark.parametrize("times,median,spread", [
+    ([2.0], 2.0, 0.0),
+    ([3.0, 1.0, 2.0], 2.0, 1.0),
+    ([1.0, 4.0, 2.0, 3.0], 2.5, 1.2),
+])
+def test_summarize_median_and_spread(times, median, spread):
+    assert run.summarize(times) == pytest.approx((median, spread))
+
+
+def test_rows_keep_every_round_for_the_docs():
+    row = {"kind": "norm", "shape": [4, 8], "backend": "x", "forward_us": 2.0,
+           "forward_us_rounds": [1.0, 2.0, 3.0], "forward_spread": 1.0, "forward_tbps": 1.0,
+           "forward_copy_fraction": 0.5, "backward_us": 4.0, "backward_tbps": 0.5,
+           "backward_copy_fraction": 0.25, "backward_us_rounds": [4.0], "backward_spread": 0.0}
+    fwd, bwd = run.split_directions(row)
+    assert fwd == {"name": "rms_norm", "shape": [4, 8], "backend": "x", "direction": "forward",
+                   "us": 2.0, "tbps": 1.0, "copy_fraction": 0.5,
+                   "us_rounds": [1.0, 2.0, 3.0], "spread": 1.0}
+    assert bwd["direction"] == "backward" and bwd["us_rounds"] == [4.0]
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        run.main(["--rounds", "0"])
+
+
+def test_time_case_rows_from_rounds_on_the_cpu(monkeypatch):
+    """time_case end to end with a stand-in timer: every backend's forward and backward
+    (a real autograd graph: dx and dweight) run once per round, interleaved, and each
+    row keeps the median, the rounds and the spread; a failing peer becomes an error row."""
+    import torch
+
+    class Norm(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w.float())
+
+        def forward(self, x):
+            return x * self.weight
+
+    def broken(x):
+        raise RuntimeError("no such kernel")
+
+    ran = []
+    fake = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0, 9.0, 7.0, 8.0, 4.0, 4.0, 4.0])
+
+    def fake_bench(fn, rep=0.0):
+        out = fn()
+        ran.append(type(out).__name__)
+        return next(fake)
+
+    monkeypatch.setattr(run, "peers_norm", lambda w: {"ref": Norm(w), "broken": broken})
+    monkeypatch.setattr(run, "bench_ms", fake_bench)
+    monkeypatch.setattr(run, "BACKEND_FILTER", ())
+    rows = run.time_case("norm", 4096, 8, bw=1.0, quick=True, device="cpu")
+    ref, bad = rows
+    # round 1: ref fwd, ref bwd (grads of x and weight), broken fwd + bwd fail; rounds 2, 3
+    assert ran == ["Tensor", "tuple"] * 3
+    assert ref["forward_us_rounds"] == [3000.0, 2000.0, 4000.0]
+    assert ref["forward_us"] == 3000.0 and ref["forward_spread"] == pytest.approx(2 / 3)
+    assert ref["backward_us_rounds"] == [1000.0, 5000.0, 6000.0]
+    assert ref["backward_us"] == 5000.0
+    assert bad["error"] == "RuntimeError: no such kernel" and "forward_us" not in bad
