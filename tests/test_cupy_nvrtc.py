@@ -210,6 +210,14 @@ int main() {
       printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
     }
   }
+  // the stack depth cap under the shared-memory limits of other GPUs
+  for (int tl = 0; tl <= 8; ++tl) for (int np : {1, 2, 4}) for (int vec : {4, 8})
+    for (int optin : {232448, 101376, 65536, 49152}) {
+      PipeGeometry g;
+      g.team_log = tl;
+      g.np = np;
+      printf("M %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin));
+    }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
   for (long long u : Rs)
     for (int pb : {1, 4, 256}) printf("F %lld %d %u\n", u, pb, grid_for(u, pb));
@@ -252,6 +260,20 @@ def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, gr
     assert rows == 0 or (1 << glog) <= cb.next_pow2(rows), line
 
 
+def check_stack_cap(team_log, np_, vec, optin, glog, *, line):
+    """The deepest dweight stacks (glog <= 5) within 40 KiB whose stacks and weight
+    factors, with 2 KiB kept for static shared memory, fit the device's opt-in limit."""
+    block = 256 if team_log <= 5 else 1 << team_log
+    weights = (np_ * vec * 4) << team_log
+
+    def fits(level):
+        stacks = level * np_ * vec * 4 * block
+        return stacks <= 40960 and stacks + weights + 2048 <= optin
+
+    assert 0 <= glog <= 5 and (glog == 0 or fits(glog)), line
+    assert glog == 5 or not fits(glog + 1), line
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_plan_matches_the_cpp_launcher(tmp_path):
     """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
@@ -282,6 +304,8 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
         elif kind == "W":
             hidden, vec, bwd, team_log, np_ = v
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
+        elif kind == "M":
+            check_stack_cap(*v, line=line)
         elif kind == "C":
             assert cb.col_tree_rows_out(v[0]) == v[1], line
         elif kind == "F":

@@ -72,7 +72,7 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   plan.pipe = 1;
   plan.team_log = g.team_log;
   plan.np = g.np;
-  const int ml = pipe_max_glog(g, vec);
+  const int ml = pipe_max_glog(g, vec, device_smem_optin());
   const int forced = group_log_override();
   if (forced >= 0) {
     plan.glog = forced < ml ? forced : ml;

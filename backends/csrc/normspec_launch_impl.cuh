@@ -246,22 +246,58 @@ inline unsigned persistent_grid(long long teams, const PipeGeometry& g, int per_
   return grid_for(need < cap ? need : cap, 1);
 }
 
+// Shared memory a block may opt in to on the current device, cached per device
+// (227 KiB, the H100/H200 value, when the runtime cannot tell).
+inline int device_smem_optin() {
+  constexpr int kFallback = 232448;
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return kFallback;
+  }
+  if (cache[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess ||
+        n <= 0) {
+      cudaGetLastError();
+      return kFallback;
+    }
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
+// Room kept for the kernels' static shared memory (red: at most 1 KiB).
+constexpr size_t STATIC_SMEM_ROOM = 2048;
+inline bool fits_smem(size_t dynamic_bytes, int optin) {
+  return dynamic_bytes + STATIC_SMEM_ROOM <= static_cast<size_t>(optin);
+}
+
 // Dynamic shared memory of the backward's dweight stacks.
 inline size_t pipe_stack_bytes(const PipeGeometry& g, int vec, int glog) {
   return static_cast<size_t>(glog) * g.np * vec * sizeof(float) * g.block();
-}
-
-// At most 40 KiB of stacks per block (five 256-thread blocks per SM).
-inline int pipe_max_glog(const PipeGeometry& g, int vec) {
-  int l = 0;
-  while (l < 5 && pipe_stack_bytes(g, vec, l + 1) <= 40960) ++l;
-  return l;
 }
 
 // Shared memory of the weight factors (fill_weight_smem: NP * VEC floats per lane).
 inline size_t pipe_weight_bytes(const PipeGeometry& g, int vec) {
   return (static_cast<size_t>(g.np) * vec * sizeof(float)) << g.team_log;
 }
+
+// At most 40 KiB of stacks per block (five 256-thread blocks per SM), and the
+// stacks and weight factors within what a block may opt in to (`optin` bytes:
+// 99 KiB on sm_86/89/120, 64 KiB on sm_75). The gate table is optional and is
+// left out at launch where it does not fit.
+inline int pipe_max_glog(const PipeGeometry& g, int vec, int optin) {
+  const size_t weights = pipe_weight_bytes(g, vec);
+  int l = 0;
+  while (l < 5 && pipe_stack_bytes(g, vec, l + 1) <= 40960 &&
+         fits_smem(pipe_stack_bytes(g, vec, l + 1) + weights, optin))
+    ++l;
+  return l;
+}
+
 // The gate table (bf16 gates of launches with at least this many elements:
 // below it, filling the table costs more than it saves).
 constexpr long long GATE_TABLE_MIN_ELEMENTS = 1LL << 20;
@@ -294,17 +330,33 @@ void allow_smem(K kernel) {
     cudaGetLastError();  // the launch then reports the error
 }
 // Dynamic shared memory that needs the opt-in (with the kernels' few static bytes).
-inline bool needs_optin(size_t bytes) { return bytes + 1024 > 48 * 1024; }
+inline bool needs_optin(size_t bytes) { return bytes + STATIC_SMEM_ROOM > 48 * 1024; }
+// allow_smem once per kernel (the caller's `done`) and device.
+template <typename K>
+void allow_smem_once(K kernel, bool (&done)[64]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    allow_smem(kernel);
+    return;
+  }
+  if (!done[dev]) {
+    allow_smem(kernel);
+    done[dev] = true;
+  }
+}
 template <int OP, typename T, int NP>
 void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   static int occ[9][2] = {{0}};
+  static bool opted[64] = {false};
   constexpr int VEC = VecOf<T>::value;
-  const bool table = use_gate_table<OP, T>(a);
+  const size_t weights = pipe_weight_bytes(g, VEC);
+  const bool table = use_gate_table<OP, T>(a) &&
+                     fits_smem(weights + GATE_TABLE_SLOTS * sizeof(float), device_smem_optin());
   if (table) a.flags |= F_GATE_TABLE;
-  const size_t smem =
-      pipe_weight_bytes(g, VEC) + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
+  const size_t smem = weights + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
   auto kernel = normspec_fwd_pipe_kernel<OP, T, NP>;
-  if (needs_optin(smem)) allow_smem(kernel);  // per launch: the device may change
+  if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(a.rows, g, n);
@@ -320,13 +372,15 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
   PipeGeometry g;
   g.team_log = plan.team_log;
   g.np = plan.np;
+  static bool opted[64] = {false};
   constexpr int VEC = VecOf<T>::value;
-  const bool table = use_gate_table<OP, T>(a);
+  const size_t base = pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC);
+  const bool table = use_gate_table<OP, T>(a) &&
+                     fits_smem(base + GATE_TABLE_SLOTS * sizeof(float2), device_smem_optin());
   if (table) a.flags |= F_GATE_TABLE;
-  const size_t smem = pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC) +
-                      (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
+  const size_t smem = base + (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
   auto kernel = normspec_bwd_pipe_kernel<OP, T, NP>;
-  if (needs_optin(smem)) allow_smem(kernel);  // per launch: the device may change
+  if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][plan.glog][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(plan.groups, g, n);
