@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
@@ -51,6 +51,11 @@ for s in $stages; do
       done ;;
     sweep)
       run ${SWEEP_LIMIT:-420} geometry-sweep python3 bench/geometry_sweep.py ${SWEEP_ARGS:-} ;;
+    ncu)  # Nsight Compute of the pipelined kernels; the CSV goes into the tarball
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      run ${NCU_LIMIT:-150} ncu env OUT="$OUT/ncu" bash scripts/ncu_profile.sh
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
+      cp "$OUT/ncu/ncu.csv" "bench/results/ncu/pipe_kernels_${gpu}.csv" 2>/dev/null ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac

@@ -8,7 +8,7 @@ OUT=${OUT:-.}
 normspec build > "$OUT/ncu-build.log" 2>&1
 ncu --clock-control none -k regex:pipe --launch-skip 3 --launch-count 3 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  --section MemoryWorkloadAnalysis --csv --page raw \
+  --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
   python3 scripts/ncu_kernels.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
 python3 - "$OUT/ncu.csv" <<'PY'
 import csv, sys
@@ -18,7 +18,8 @@ keep = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_el
         "sm__throughput.avg.pct_of_peak_sustained_elapsed",
         "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
         "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
-        "launch__grid_size", "smsp__issue_active.avg.pct_of_peak_sustained_active")
+        "launch__grid_size", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "smsp__inst_executed.sum", "smsp__thread_inst_executed.sum")
 kname = names.index("Kernel Name")
 for k in kernels:
     print("==", k[kname].split("(")[0])
