@@ -2,7 +2,8 @@
 
 The launcher (``backends/csrc/normspec_launch_impl.cuh``) reads ``NORMSPEC_FWD_TEAM``,
 ``NORMSPEC_BWD_TEAM``, ``NORMSPEC_BWD_GLOG``, ``NORMSPEC_PIPE`` (``0``: the register /
-streaming kernels instead of the pipelined ones) and ``NORMSPEC_GATE_TABLE`` (``0``: the
+streaming kernels instead of the pipelined ones), ``NORMSPEC_FWD_ROW`` (``0``: the
+persistent forward instead of one row per team) and ``NORMSPEC_GATE_TABLE`` (``0``: the
 gated kernels evaluate the activation for every element)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
@@ -43,7 +44,7 @@ import torch
 EPS = 1e-6
 BF16 = torch.bfloat16
 ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
-            "NORMSPEC_GATE_TABLE")
+            "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -153,10 +154,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def geometry(part: str, hidden: int, team: int | None, vec: int = 8, pipe: bool = True) -> str:
+def geometry(part: str, hidden: int, team: int | None, vec: int = 8, pipe: bool = True,
+             row: bool = False, two_inputs: bool = False) -> str:
     """The launcher's choice for aligned rows (mirror of normspec_launch_impl.cuh, for the
-    table only): ``pipe`` for the pipelined kernels, else the register / streaming ones."""
+    table only): ``pipe`` for the pipelined kernels, else the register / streaming ones;
+    ``row`` for the forward's one-row-per-team kernel (``r``), else the persistent one
+    (``p``)."""
     nvec = -(-hidden // vec)
+    if pipe and row and part == "fwd":
+        threads = team or min(256, max(1, _next_pow2(nvec) // (2 if two_inputs else 4)))
+        fits = [n for n in (1, 2, 4) if n * threads * vec >= hidden] if threads <= 256 else []
+        if fits:
+            return f"r{threads}/NP{fits[0]}"
     if pipe:
         one_pass = 8 if part == "fwd" else 32
         threads = team or (_next_pow2(nvec) if nvec <= one_pass else
@@ -265,7 +274,8 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
     both = ["fwd", "bwd"]
     out = [{"name": "default", "env": {}, "parts": both},
            {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": both},
-           {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both}]
+           {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both},
+           {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]}]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
                                           "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
             for t in teams]
@@ -351,8 +361,11 @@ def report(results: list[dict]) -> None:
                 var = "NORMSPEC_FWD_TEAM" if part == "fwd" else "NORMSPEC_BWD_TEAM"
                 team = int(res["env"][var]) if var in res["env"] else None
                 pipe = res["env"].get("NORMSPEC_PIPE") != "0"
-                geoms[part] = (geometry(part, hidden, team, pipe=pipe) if f"{part}_us" in row
-                               else "-")
+                table = name.startswith("gated") and res["env"].get("NORMSPEC_GATE_TABLE") != "0"
+                row_fwd = res["env"].get("NORMSPEC_FWD_ROW") != "0" and not table
+                geoms[part] = (geometry(part, hidden, team, pipe=pipe, row=row_fwd,
+                                        two_inputs=not name.startswith(("rms", "qk")))
+                               if f"{part}_us" in row else "-")
                 if part == "bwd" and "NORMSPEC_BWD_GLOG" in res["env"]:
                     geoms[part] += f"g{res['env']['NORMSPEC_BWD_GLOG']}"
                 if f"spec_{part}_ok" in row:

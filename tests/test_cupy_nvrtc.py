@@ -209,6 +209,10 @@ int main() {
       PipeGeometry g = pipe_geometry(H, vec, 0, bwd);
       printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
     }
+    for (int two : {0, 1}) {
+      PipeGeometry r = row_geometry(H, vec, 0, two);
+      printf("R %lld %d %d %d %d\n", H, vec, two, r.team_log, r.np);
+    }
   }
   // the stack depth cap under the shared-memory limits of other GPUs
   for (int tl = 0; tl <= 8; ++tl) for (int np : {1, 2, 4}) for (int vec : {4, 8})
@@ -240,6 +244,18 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     one_pass = 32 if backward else 8
     team = (cb.next_pow2(nvec) if nvec <= one_pass else
             cb.next_pow2(nvec) // 2 if nvec <= 512 else 256)
+    np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
+    return team.bit_length() - 1, np_
+
+
+def row_default(hidden: int, vec: int, two_inputs: bool) -> tuple[int, int]:
+    """(team_log, NP) of the one-row-per-team forward: four vectors per thread for the rms
+    norm, two for the ops with two row tensors (teams of 1..256 threads), (0, 0) for rows
+    of more than 1024 vectors."""
+    nvec = -(-hidden // vec)
+    if nvec > 1024:
+        return 0, 0
+    team = min(256, max(1, cb.next_pow2(nvec) // (2 if two_inputs else 4)))
     np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
     return team.bit_length() - 1, np_
 
@@ -304,6 +320,10 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
         elif kind == "W":
             hidden, vec, bwd, team_log, np_ = v
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
+        elif kind == "R":
+            hidden, vec, two, team_log, np_ = v
+            assert (team_log, np_) == row_default(hidden, vec, bool(two)), line
+            assert np_ == 0 or (1 << team_log) * np_ * vec >= hidden, line
         elif kind == "M":
             check_stack_cap(*v, line=line)
         elif kind == "C":

@@ -11,6 +11,7 @@
 // Tuning override (read once per process, at the first launch or plan):
 //   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 1..1024)
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
+//   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -177,6 +178,21 @@ inline int log2_exact(long long v) {
   return l;
 }
 
+// Teams of `threads` threads (at most 256) with the fewest passes (1, 2 or 4)
+// that cover H; not eligible (np = 0) where none does.
+inline PipeGeometry with_passes(long long threads, long long H, int vec) {
+  PipeGeometry g;
+  if (threads > 256) return g;
+  for (int np = 1; np <= 4; np *= 2) {
+    if (static_cast<long long>(np) * threads * vec >= H) {
+      g.team_log = log2_exact(threads);
+      g.np = np;
+      return g;
+    }
+  }
+  return g;
+}
+
 // threads per team from the override (0: default), NP the fewest passes that cover H.
 // Defaults (H200 sweeps, bench/results/sweeps/): two passes per thread from 9
 // vectors on in the forward (H = 128 bf16: 8 lanes x 2, 3.19 vs 2.94 TB/s for 16 x 1)
@@ -198,15 +214,32 @@ inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads,
   } else {
     threads = 256;
   }
-  if (threads > 256) return g;
-  for (int np = 1; np <= 4; np *= 2) {
-    if (static_cast<long long>(np) * threads * vec >= H) {
-      g.team_log = log2_exact(threads);
-      g.np = np;
-      return g;
-    }
-  }
-  return g;
+  return with_passes(threads, H, vec);
+}
+
+// NORMSPEC_FWD_ROW=0: the persistent pipelined forward everywhere (default:
+// the one-row-per-team kernel wherever the gate table is not used).
+inline bool row_forward_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_FWD_ROW");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return on;
+}
+
+// The one-row-per-team forward: by default four vectors per thread for the rms
+// norm and two for the ops that read two row tensors (H200,
+// bench/micro/fwd_variants.cu, H = 2048 bf16: rms 64 x 4 72.1 us against 76.3 for
+// 128 x 2 and 97.0 for 256 x 1; fused 128 x 2 138.9 us, 64 x 4 139.9 with 88
+// instead of 56 registers), the team override otherwise.
+inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
+                                 bool two_inputs) {
+  if (!pipe_enabled() || !row_forward_enabled()) return PipeGeometry{};
+  const long long nvec = (H + vec - 1) / vec;
+  const long long per_thread = two_inputs ? 2 : 4;
+  long long threads = override_threads > 0 ? override_threads : next_pow2(nvec) / per_thread;
+  if (override_threads <= 0 && threads > 256) threads = 256;  // then more passes
+  return with_passes(threads < 1 ? 1 : threads, H, vec);
 }
 
 // Multiprocessors of the current device, cached per device (132, an H100/H200,
@@ -367,6 +400,15 @@ void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
 }
 
 template <int OP, typename T, int NP>
+void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+  const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
+  normspec_fwd_row_kernel<OP, T, NP><<<grid, g.block(), 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
+      static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
+      g.team_log);
+}
+
+template <int OP, typename T, int NP>
 void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
   static int occ[9][6][2] = {{{0}}};
   PipeGeometry g;
@@ -393,6 +435,20 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
 
 template <int OP, typename T>
 void forward_t(const LaunchArgs& a, cudaStream_t stream) {
+  if ((a.flags & F_ALIGNED) && !use_gate_table<OP, T>(a)) {
+    const PipeGeometry rg =
+        row_geometry(a.H, VecOf<T>::value, forward_team_override(), OP != OP_RMS);
+    switch (rg.np) {
+      case 1:
+        return forward_row_t<OP, T, 1>(a, rg, stream);
+      case 2:
+        return forward_row_t<OP, T, 2>(a, rg, stream);
+      case 4:
+        return forward_row_t<OP, T, 4>(a, rg, stream);
+      default:
+        break;
+    }
+  }
   if (a.flags & F_ALIGNED) {
     const PipeGeometry pg = pipe_geometry(a.H, VecOf<T>::value, forward_team_override(), false);
     switch (pg.np) {

@@ -262,6 +262,18 @@ __device__ __forceinline__ int weight_float4s(int team_log) {
   return (NP * VEC / 4) << team_log;
 }
 
+// The N factors from column col of the fp32 weight (zeros beyond H, which
+// nothing reads): fp32(offset) + w or w for rms / fused, w for the gated op.
+template <int OP, int N>
+__device__ __forceinline__ void weight_factors(const float* __restrict__ w, int col, int H,
+                                               float offset, int flags, float (&g)[N]) {
+  load_w<N>(w, col, H, true, g);
+  if constexpr (OP != OP_GATED) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
+  }
+}
+
 template <int OP, int NP, int VEC>
 __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
                                                  const float* __restrict__ w, int team_log,
@@ -274,11 +286,7 @@ __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
     const int pq = i >> team_log;
     const int col = (pq / Q) * S + lane * VEC + 4 * (pq % Q);
     float g[4];
-    load_w<4>(w, col, H, true, g);
-    if constexpr (OP != OP_GATED) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
-    }
+    weight_factors<OP, 4>(w, col, H, offset, flags, g);
     wsm[i] = make_float4(g[0], g[1], g[2], g[3]);
   }
 }
@@ -388,6 +396,39 @@ __device__ __forceinline__ Act act_grad_from_table(const float2* __restrict__ ta
   return a;
 }
 
+// One output vector from the raw x and residual / gate vectors, rstd and the
+// VEC weight factors g: y, and for the fused op the new residual. The gated
+// op reads act(z) from the gate table when `table` is set.
+template <int OP, typename T>
+__device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr, int flags,
+                                               float rstd, const float (&g)[VecOf<T>::value],
+                                               bool table, const float* __restrict__ tab,
+                                               T* __restrict__ yrow, T* __restrict__ y2row,
+                                               int col, int H) {
+  constexpr int VEC = VecOf<T>::value;
+  float v[VEC], out[VEC];
+  norm_input_raw<OP, T>(rx, rr, flags, v);
+  if constexpr (OP == OP_GATED) {
+    const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+    float z[VEC], act[VEC];
+    unpack<T>(rr, z);
+    if (table) {
+      acts_from_table<VEC>(tab, z, sig, act);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) act[j] = act_fp32(z[j], sig);
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j], act[j], hf, w_in);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[j]);
+  }
+  store_row<T>(yrow, col, H, out);
+  if constexpr (OP == OP_FUSED) store_row<T>(y2row, col, H, v);
+}
+
 }  // namespace normspec
 
 // ---- forward --------------------------------------------------------------------
@@ -411,7 +452,7 @@ __global__ void __launch_bounds__(256)
   const int P = static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
-  const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+  const bool sig = flags & F_SIGMOID;
   const bool table = TABLE_OK && (flags & F_GATE_TABLE);
 
   float4* wsm = dyn;
@@ -456,29 +497,61 @@ __global__ void __launch_bounds__(256)
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
         if (col < Hc) {
-          float v[VEC], out[VEC], g[VEC];
-          norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+          float g[VEC];
           weight_of<VEC>(wsm, p, tm.lane, team_log, g);
-          if constexpr (OP == OP_GATED) {
-            float z[VEC], act[VEC];
-            unpack<T>(cr[p], z);
-            if (table) {
-              acts_from_table<VEC>(tab, z, sig, act);
-            } else {
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) act[j] = act_fp32(z[j], sig);
-            }
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-              out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j], act[j], hf, w_in);
-          } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[j]);
-          }
-          store_row<T>(y + row * sy, col, Hc, out);
-          if constexpr (OP == OP_FUSED) store_row<T>(y2 + row * sy2, col, Hc, v);
+          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, table, tab, y + row * sy,
+                                OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
         }
       }
+    }
+  }
+}
+
+// ---- forward, one row per team ------------------------------------------------
+// The default forward wherever the gate table is not used: a team loads its
+// row, reduces it, writes it and is done; the block scheduler streams the
+// rows, so as many rows are in flight as registers allow, and the weight
+// factors come from global memory (L1 hits) instead of a per-block fill. On
+// the H200 this beats the persistent kernel by 4-6 % (bench/micro/fwd_variants.cu).
+// Same device functions as the persistent kernel, so the same bits.
+template <int OP, typename T, int NP>
+__global__ void __launch_bounds__(256)
+    normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
+                            const float* __restrict__ w, T* __restrict__ y,
+                            T* __restrict__ y2, long long rows, long long H, long long sx,
+                            long long sr, long long sy, long long sy2, float eps, float offset,
+                            int flags, int team_log) {
+  using namespace normspec;
+  constexpr int VEC = VecOf<T>::value;
+  constexpr bool TWO = OP != OP_RMS;
+  __shared__ float red[NP * 32];
+  const Team tm = make_team(team_log);
+  const long long row = tm.slot;
+  const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
+  const int P = static_cast<int>(next_pow2(H));
+  const int S = VEC << team_log;
+  const int tcol = tm.lane * VEC;
+  uint4 cx[NP], cr[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    cx[p] = make_uint4(0u, 0u, 0u, 0u);
+    cr[p] = cx[p];
+    if (row < rows) {
+      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
+      if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
+    }
+  }
+  // a team past the last row still joins the shuffles (and the barrier)
+  const float rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red);
+  if (row >= rows) return;
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    const int col = p * S + tcol;
+    if (col < Hc) {
+      float g[VEC];
+      weight_factors<OP, VEC>(w, col, Hc, offset, flags, g);
+      forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
+                            OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
     }
   }
 }

@@ -10,9 +10,12 @@ unit of their own, compiled in parallel) and cached.
 
 CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at
 most 1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the
-*pipelined* kernels: persistent teams that keep the weight factors in shared
-memory, load the next row while reducing the current one, and keep the
-backward's dweight stacks in shared memory. Large bf16 gated launches (at least
+*pipelined* kernels. The forward gives each team one row and no loop (the block
+scheduler streams the rows; weight factors from L1), except where the gate
+table is used. The backward (and the forward with the gate table) runs
+persistent teams that keep the weight factors in shared memory, load the next
+row while reducing the current one, and keep the backward's dweight stacks in
+shared memory. Large bf16 gated launches (at least
 2**20 elements) also evaluate the gate's activation (and its derivative) once
 per block into a shared-memory table for the 8192 bf16 gates with magnitude in
 [2**-24, 2**8), with the declared functions themselves, and evaluate the other
@@ -21,6 +24,7 @@ and streaming kernels, which the CuPy backend shares. Every geometry gives the
 same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
+* ``NORMSPEC_FWD_ROW=0``: the persistent forward instead of one row per team;
 * ``NORMSPEC_FWD_TEAM`` / ``NORMSPEC_BWD_TEAM``: threads per row (a power of two;
   1..256 for the pipelined kernels, 32 and more for the register kernels);
 * ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..5);
