@@ -99,6 +99,46 @@ def test_large_shapes(op, params, shape):
     check_case(op, params, shape, torch.bfloat16, torch.float32, 1, specials=True)
 
 
+WEIGHT_BINDINGS = ["as_is", "strided", "unaligned"]
+
+
+def _bind_weight(weight: torch.Tensor, how: str) -> torch.Tensor:
+    """The weight on the GPU: contiguous and 16-byte aligned (the kernels read it in the
+    input dtype), a strided view, or at an odd storage offset (both: an fp32 copy)."""
+    n = weight.numel()
+    if how == "as_is":
+        return weight.cuda()
+    if how == "strided":
+        buf = torch.zeros(2 * n, dtype=weight.dtype, device="cuda")
+        buf[::2] = weight.cuda()
+        return buf[::2]
+    buf = torch.zeros(n + 1, dtype=weight.dtype, device="cuda")
+    buf[1:] = weight.cuda()
+    return buf[1:]
+
+
+@pytest.mark.parametrize("how", WEIGHT_BINDINGS)
+@pytest.mark.parametrize("op,params", [VARIANTS[1], VARIANTS[4], VARIANTS[9]])
+def test_weight_in_the_input_dtype(op, params, how):
+    """A bf16 weight of bf16 inputs is read as it is where it is contiguous and aligned,
+    else through an fp32 copy: the same bits either way, on the one-row forward, the
+    persistent forward with the gate table (2**16 x 128 gated) and the backward."""
+    for seed, shape in enumerate([(4096, 2048), (2**16, 128), (37, 1003), (5, 8)]):
+        rows, weight, grads = make_case(op, params, shape, torch.bfloat16, torch.bfloat16, seed,
+                                        specials=True)
+        cw = _bind_weight(weight, how)
+        assert cw.is_contiguous() == (how != "strided")
+        crows = {k: v.cuda() for k, v in rows.items()}
+        ctx = f"{op} {params} {shape} weight {how}"
+        for i, (g, w) in enumerate(zip(ext_forward(op, crows, cw, EPS, params),
+                                       spec_forward(op, rows, weight, EPS, params), strict=True)):
+            assert_bits(g, w, f"forward output {i} of {ctx}")
+        got_g = ext_backward(op, [g.cuda() for g in grads], crows, cw, EPS, params)
+        want_g = spec_backward(op, grads, rows, weight, EPS, params)
+        for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+            assert_bits(g, w, f"{name} of {ctx}")
+
+
 def test_many_rows_dweight_tree():
     # many groups in the workspace tree, a non-power-of-two row count
     check_case("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,

@@ -195,6 +195,8 @@ enum Flags : int {
   F_W_IS_INPUT = 16,  // the weight's dtype is the input dtype (hf: promoted dtype = input)
   F_ALIGNED = 32,     // every row pointer is 16-byte aligned: vector loads allowed
   F_GATE_TABLE = 64,  // gated bf16, pipelined kernels: activation table in shared memory
+  F_W_RAW = 128,      // pipelined kernels, 16-bit inputs: the weight pointer holds the
+                      // input dtype (widened exactly), not fp32
 };
 
 }  // namespace normspec

@@ -41,12 +41,10 @@ int base_flags(const at::Tensor& x, const at::Tensor& w, double offset) {
   return flags;
 }
 
-LaunchArgs base_args(const RowView& xv, const at::Tensor& w32, double eps, double offset,
-                     int flags) {
+LaunchArgs base_args(const RowView& xv, double eps, double offset, int flags) {
   LaunchArgs a;
   a.x = xv.t.data_ptr();
   a.sx = xv.stride;
-  a.w = w32.data_ptr<float>();
   a.rows = xv.rows;
   a.H = xv.hidden;
   a.eps = static_cast<float>(eps);
@@ -55,9 +53,30 @@ LaunchArgs base_args(const RowView& xv, const at::Tensor& w32, double eps, doubl
   return a;
 }
 
-void forward(int op, const at::Tensor& x, LaunchArgs a) {
-  C10_CUDA_CHECK(launch_forward(op, dtype_code(x.scalar_type()), a,
-                                c10::cuda::getCurrentCUDAStream()));
+// The weight as the kernels read it. A contiguous 16-bit weight of the input
+// dtype is offered as it is (a.w_in_dtype): the pipelined kernels widen it
+// exactly, which saves an fp32 copy and its kernel launch per call.
+void offer_weight_as_is(LaunchArgs& a, int dt, const at::Tensor& x, const at::Tensor& weight) {
+  if (dt != DT_F32 && weight.scalar_type() == x.scalar_type() && weight.is_contiguous())
+    a.w_in_dtype = weight.data_ptr();
+}
+
+// Where the launch will not read it as it is: an fp32 copy (returned, so that it
+// lives until the launch is queued; the caching allocator orders its reuse).
+at::Tensor weight_fp32_unless_as_is(LaunchArgs& a, int op, int dt, const BackwardPlan* plan,
+                                    const at::Tensor& weight) {
+  if (reads_weight_in_input_dtype(op, dt, a, plan)) return at::Tensor();
+  a.w_in_dtype = nullptr;
+  at::Tensor w = weight_f32(weight);
+  a.w = w.data_ptr<float>();
+  return w;
+}
+
+void forward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
+  const int dt = dtype_code(x.scalar_type());
+  offer_weight_as_is(a, dt, x, weight);
+  const at::Tensor w32 = weight_fp32_unless_as_is(a, op, dt, nullptr, weight);
+  C10_CUDA_CHECK(launch_forward(op, dt, a, c10::cuda::getCurrentCUDAStream()));
 }
 
 // Runs the backward kernel and the dweight row tree; returns dweight in the
@@ -65,7 +84,11 @@ void forward(int op, const at::Tensor& x, LaunchArgs a) {
 at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dt = dtype_code(x.scalar_type());
-  const BackwardPlan plan = backward_plan_for(dt, a, current_device_sms());
+  const int sms = current_device_sms();
+  offer_weight_as_is(a, dt, x, weight);
+  BackwardPlan plan = backward_plan_for(dt, a, sms);
+  const at::Tensor w32 = weight_fp32_unless_as_is(a, op, dt, &plan, weight);
+  if (w32.defined()) plan = backward_plan_for(dt, a, sms);  // the alignment may differ
   const at::TensorOptions fopts = x.options().dtype(at::kFloat);
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));
@@ -88,11 +111,10 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double e
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
   const RowView xv = row_view(x);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, offset, base_flags(x, weight, offset));
+  LaunchArgs a = base_args(xv, eps, offset, base_flags(x, weight, offset));
   a.y = y.data_ptr();
   a.sy = xv.hidden;
-  forward(OP_RMS, x, a);
+  forward(OP_RMS, x, weight, a);
   return y;
 }
 
@@ -105,8 +127,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
   const RowView xv = row_view(x), dyv = row_view(dy);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, offset, base_flags(x, weight, offset));
+  LaunchArgs a = base_args(xv, eps, offset, base_flags(x, weight, offset));
   a.dy = dyv.t.data_ptr();
   a.sdy = dyv.stride;
   a.y = dx.data_ptr();
@@ -126,8 +147,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
   at::Tensor y = new_rows(x), res = new_rows(x);
   if (x.numel() == 0) return {y, res};
   const RowView xv = row_view(x), rv = row_view(residual);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, offset,
+  LaunchArgs a = base_args(xv, eps, offset,
                            base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
   a.r = rv.t.data_ptr();
   a.sr = rv.stride;
@@ -135,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
   a.sy = xv.hidden;
   a.y2 = res.data_ptr();
   a.sy2 = xv.hidden;
-  forward(OP_FUSED, x, a);
+  forward(OP_FUSED, x, weight, a);
   return {y, res};
 }
 
@@ -151,8 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
   if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
   const RowView xv = row_view(x), rv = row_view(residual), dyv = row_view(dy),
                 drv = row_view(dresidual_out);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, offset,
+  LaunchArgs a = base_args(xv, eps, offset,
                            base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
   a.r = rv.t.data_ptr();
   a.sr = rv.stride;
@@ -182,13 +201,12 @@ at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
   at::Tensor y = new_rows(x);
   if (x.numel() == 0) return y;
   const RowView xv = row_view(x), gv = row_view(gate);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, 0.0, flags);
+  LaunchArgs a = base_args(xv, eps, 0.0, flags);
   a.r = gv.t.data_ptr();
   a.sr = gv.stride;
   a.y = y.data_ptr();
   a.sy = xv.hidden;
-  forward(OP_GATED, x, a);
+  forward(OP_GATED, x, weight, a);
   return y;
 }
 
@@ -201,8 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
   const RowView xv = row_view(x), gv = row_view(gate), dyv = row_view(dy);
-  const at::Tensor w = weight_f32(weight);
-  LaunchArgs a = base_args(xv, w, eps, 0.0, flags);
+  LaunchArgs a = base_args(xv, eps, 0.0, flags);
   a.r = gv.t.data_ptr();
   a.sr = gv.stride;
   a.dy = dyv.t.data_ptr();

@@ -94,12 +94,27 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   return plan;
 }
 
+bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const BackwardPlan* plan) {
+  if (a.w_in_dtype == nullptr || dtype == DT_F32) return false;
+  set_alignment(a, 2);
+  if (plan != nullptr) return plan->pipe != 0 && (a.flags & F_ALIGNED);
+  return forward_kind(op, dtype == DT_BF16, a, vec_of(dtype)) != FWD_REGISTER;
+}
+
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream) {
+  if (!reads_weight_in_input_dtype(op, dtype, a, nullptr)) {
+    if (a.w == nullptr) return cudaErrorInvalidValue;
+    a.w_in_dtype = nullptr;
+  }
   return dispatch(op, dtype, false, a, nullptr, nullptr, stream);
 }
 
 cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const BackwardPlan& plan,
                             cudaStream_t stream) {
+  if (!reads_weight_in_input_dtype(op, dtype, a, &plan)) {
+    if (a.w == nullptr) return cudaErrorInvalidValue;
+    a.w_in_dtype = nullptr;
+  }
   return dispatch(op, dtype, true, a, ws, &plan, stream);
 }
 

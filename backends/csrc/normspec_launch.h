@@ -21,6 +21,10 @@ struct LaunchArgs {
   void* y = nullptr;
   void* y2 = nullptr;
   const float* w = nullptr;
+  // The weight in the input dtype (16-bit inputs, contiguous): the pipelined
+  // kernels read it instead of w where reads_weight_in_input_dtype() says so,
+  // so no fp32 copy (and no extra kernel launch) is needed; w may then be null.
+  const void* w_in_dtype = nullptr;
   long long rows = 0, H = 0, sx = 0, sr = 0, sdy = 0, sdres = 0, sy = 0, sy2 = 0;
   float eps = 0.f, offset = 0.f;
   int flags = 0;  // normspec::Flags; F_ALIGNED is set by the launcher
@@ -47,7 +51,12 @@ BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count)
 // aligned and short enough, else backward_plan().
 BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count);
 
-// Kernel launches on `stream`; they return cudaGetLastError().
+// Whether launch_forward (plan == nullptr) or launch_backward with `plan`
+// reads the weight from a.w_in_dtype (set, 16-byte aligned, 16-bit dtype, and
+// the call runs on a pipelined kernel); otherwise a.w must hold fp32 weights.
+bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const BackwardPlan* plan);
+// Kernel launches on `stream`; they return cudaGetLastError() (cudaErrorInvalidValue
+// when a.w is needed and null).
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);
 cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const BackwardPlan& plan,
                             cudaStream_t stream);

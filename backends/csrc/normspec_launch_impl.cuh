@@ -149,7 +149,8 @@ inline void set_alignment(LaunchArgs& a, int esize) {
   const bool ok = rows_aligned(a.x, a.sx, esize) && rows_aligned(a.r, a.sr, esize) &&
                   rows_aligned(a.dy, a.sdy, esize) && rows_aligned(a.dres, a.sdres, esize) &&
                   rows_aligned(a.y, a.sy, esize) && rows_aligned(a.y2, a.sy2, esize) &&
-                  (a.w == nullptr || aligned16(a.w));
+                  (a.w == nullptr || aligned16(a.w)) &&
+                  (a.w_in_dtype == nullptr || aligned16(a.w_in_dtype));
   if (ok) a.flags |= F_ALIGNED;
 }
 
@@ -342,10 +343,20 @@ inline bool gate_table_enabled() {
   }();
   return on;
 }
+inline bool wants_gate_table(int op, bool bf16, const LaunchArgs& a) {
+  return op == OP_GATED && bf16 && a.rows * a.H >= GATE_TABLE_MIN_ELEMENTS &&
+         gate_table_enabled();
+}
 template <int OP, typename T>
 bool use_gate_table(const LaunchArgs& a) {
-  return OP == OP_GATED && IsBf16<T>::value && a.rows * a.H >= GATE_TABLE_MIN_ELEMENTS &&
-         gate_table_enabled();
+  return wants_gate_table(OP, IsBf16<T>::value, a);
+}
+
+// The weight pointer a pipelined kernel gets, with F_W_RAW where it holds the input dtype.
+inline const void* pipe_weight(LaunchArgs& a) {
+  if (a.w_in_dtype == nullptr) return a.w;
+  a.flags |= F_W_RAW;
+  return a.w_in_dtype;
 }
 // Let `kernel` use all the dynamic shared memory the device allows a block
 // (past 48 KiB, static included, a kernel must opt in). Always the same value,
@@ -380,6 +391,7 @@ void allow_smem_once(K kernel, bool (&done)[64]) {
 }
 template <int OP, typename T, int NP>
 void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+  const void* w = pipe_weight(a);
   static int occ[9][2] = {{0}};
   static bool opted[64] = {false};
   constexpr int VEC = VecOf<T>::value;
@@ -394,22 +406,24 @@ void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(a.rows, g, n);
   kernel<<<grid, g.block(), smem, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log);
 }
 
 template <int OP, typename T, int NP>
-void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+void forward_row_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+  const void* w = pipe_weight(a);
   const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
   normspec_fwd_row_kernel<OP, T, NP><<<grid, g.block(), 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<T*>(a.y),
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log);
 }
 
 template <int OP, typename T, int NP>
 void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
+  const void* w = pipe_weight(a);
   static int occ[9][6][2] = {{{0}}};
   PipeGeometry g;
   g.team_log = plan.team_log;
@@ -427,15 +441,26 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
   const unsigned grid = persistent_grid(plan.groups, g, n);
   kernel<<<grid, g.block(), smem, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.r), a.w, static_cast<const T*>(a.dy),
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<const T*>(a.dy),
       static_cast<const T*>(a.dres), static_cast<T*>(a.y), static_cast<T*>(a.y2), ws, a.rows,
       a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2, a.eps, a.offset, a.flags, plan.team_log,
       plan.glog);
 }
 
+// Which forward kernel family a call runs on (alignment already set).
+enum ForwardKind { FWD_REGISTER, FWD_ROW, FWD_PIPE };
+inline ForwardKind forward_kind(int op, bool bf16, const LaunchArgs& a, int vec) {
+  if (!(a.flags & F_ALIGNED)) return FWD_REGISTER;
+  if (!wants_gate_table(op, bf16, a) && row_geometry(a.H, vec, forward_team_override(), op != OP_RMS).np > 0)
+    return FWD_ROW;
+  if (pipe_geometry(a.H, vec, forward_team_override(), false).np > 0) return FWD_PIPE;
+  return FWD_REGISTER;
+}
+
 template <int OP, typename T>
 void forward_t(const LaunchArgs& a, cudaStream_t stream) {
-  if ((a.flags & F_ALIGNED) && !use_gate_table<OP, T>(a)) {
+  const ForwardKind kind = forward_kind(OP, IsBf16<T>::value, a, VecOf<T>::value);
+  if (kind == FWD_ROW) {
     const PipeGeometry rg =
         row_geometry(a.H, VecOf<T>::value, forward_team_override(), OP != OP_RMS);
     switch (rg.np) {
@@ -449,7 +474,7 @@ void forward_t(const LaunchArgs& a, cudaStream_t stream) {
         break;
     }
   }
-  if (a.flags & F_ALIGNED) {
+  if (kind == FWD_PIPE) {
     const PipeGeometry pg = pipe_geometry(a.H, VecOf<T>::value, forward_team_override(), false);
     switch (pg.np) {
       case 1:

@@ -262,21 +262,56 @@ __device__ __forceinline__ int weight_float4s(int team_log) {
   return (NP * VEC / 4) << team_log;
 }
 
-// The N factors from column col of the fp32 weight (zeros beyond H, which
-// nothing reads): fp32(offset) + w or w for rms / fused, w for the gated op.
-template <int OP, int N>
-__device__ __forceinline__ void weight_factors(const float* __restrict__ w, int col, int H,
+// N (4 or 8) weights of the 16-bit input dtype T from column col, widened
+// exactly to fp32 (zeros beyond H): one 8- or 16-byte load.
+template <typename T, int N>
+__device__ __forceinline__ void load_w_input_dtype(const T* __restrict__ w, int col, int H,
+                                                   float (&g)[N]) {
+  static_assert(sizeof(T) == 2 && (N == 4 || N == 8), "16-bit weights, 4 or 8 per load");
+  float v[8];
+  if (col + N <= H) {
+    uint4 u;
+    if constexpr (N == 8) {
+      u = *reinterpret_cast<const uint4*>(w + col);
+    } else {
+      const uint2 h = *reinterpret_cast<const uint2*>(w + col);
+      u = make_uint4(h.x, h.y, 0u, 0u);
+    }
+    unpack<T>(u, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      v[j] = col + j < H ? DevIO<T>::from_bits(RawBits<T>::elem(w + col + j)) : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) g[j] = v[j];
+}
+
+// The N factors from column col of the weight (zeros beyond H, which nothing
+// reads): fp32(offset) + w or w for rms / fused, w for the gated op. `w` holds
+// fp32 values, or with F_W_RAW (16-bit inputs only) values of the input dtype T,
+// which widen exactly: the same factors without an fp32 copy of the weight.
+template <int OP, typename T, int N>
+__device__ __forceinline__ void weight_factors(const void* __restrict__ w, int col, int H,
                                                float offset, int flags, float (&g)[N]) {
-  load_w<N>(w, col, H, true, g);
+  if constexpr (sizeof(T) == 2) {
+    if (flags & F_W_RAW) {
+      load_w_input_dtype<T, N>(static_cast<const T*>(w), col, H, g);
+    } else {
+      load_w<N>(static_cast<const float*>(w), col, H, true, g);
+    }
+  } else {
+    load_w<N>(static_cast<const float*>(w), col, H, true, g);
+  }
   if constexpr (OP != OP_GATED) {
 #pragma unroll
     for (int j = 0; j < N; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
   }
 }
 
-template <int OP, int NP, int VEC>
+template <int OP, typename T, int NP, int VEC>
 __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
-                                                 const float* __restrict__ w, int team_log,
+                                                 const void* __restrict__ w, int team_log,
                                                  int H, float offset, int flags) {
   constexpr int Q = VEC / 4;
   const int n = weight_float4s<NP, VEC>(team_log);
@@ -286,7 +321,7 @@ __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
     const int pq = i >> team_log;
     const int col = (pq / Q) * S + lane * VEC + 4 * (pq % Q);
     float g[4];
-    weight_factors<OP, 4>(w, col, H, offset, flags, g);
+    weight_factors<OP, T, 4>(w, col, H, offset, flags, g);
     wsm[i] = make_float4(g[0], g[1], g[2], g[3]);
   }
 }
@@ -437,7 +472,7 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 template <int OP, typename T, int NP>
 __global__ void __launch_bounds__(256)
     normspec_fwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
-                             const float* __restrict__ w, T* __restrict__ y,
+                             const void* __restrict__ w, T* __restrict__ y,
                              T* __restrict__ y2, long long rows, long long H, long long sx,
                              long long sr, long long sy, long long sy2, float eps, float offset,
                              int flags, int team_log) {
@@ -473,7 +508,7 @@ __global__ void __launch_bounds__(256)
     }
   }
   // the weight factors and the gate table while the first rows are in flight
-  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  fill_weight_smem<OP, T, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
   if (table) fill_act_table(tab, sig);
   __syncthreads();
   int buf = 0;
@@ -517,7 +552,7 @@ __global__ void __launch_bounds__(256)
 template <int OP, typename T, int NP>
 __global__ void __launch_bounds__(256)
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
-                            const float* __restrict__ w, T* __restrict__ y,
+                            const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
                             long long sr, long long sy, long long sy2, float eps, float offset,
                             int flags, int team_log) {
@@ -549,7 +584,7 @@ __global__ void __launch_bounds__(256)
     const int col = p * S + tcol;
     if (col < Hc) {
       float g[VEC];
-      weight_factors<OP, VEC>(w, col, Hc, offset, flags, g);
+      weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
       forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
                             OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
     }
@@ -565,10 +600,19 @@ __global__ void __launch_bounds__(256)
 //   OP_RMS:   r, dres, d2 unused.
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
+// Build-time knobs for bench/micro/bwd_variants.cu (the defaults are the shipped
+// kernel): the minimum resident 256-thread blocks the register budget must allow,
+// and whether rms / fused keep dxhat in registers across the row reduction.
+#ifndef NORMSPEC_BWD_MIN_BLOCKS
+#define NORMSPEC_BWD_MIN_BLOCKS 1
+#endif
+#ifndef NORMSPEC_BWD_KEEP_DXH
+#define NORMSPEC_BWD_KEEP_DXH 0
+#endif
 template <int OP, typename T, int NP>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
-                             const float* __restrict__ w, const T* __restrict__ dy,
+                             const void* __restrict__ w, const T* __restrict__ dy,
                              const T* __restrict__ dres, T* __restrict__ dx,
                              T* __restrict__ d2, float* __restrict__ ws, long long rows,
                              long long H, long long sx, long long sr, long long sdy,
@@ -616,7 +660,7 @@ __global__ void __launch_bounds__(256)
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
   }
   // the weight factors and the gate table while the first rows are in flight
-  fill_weight_smem<OP, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  fill_weight_smem<OP, T, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
   if (table) fill_act_grad_table(tab, sig);
   __syncthreads();
   int buf = 0;
@@ -643,8 +687,12 @@ __global__ void __launch_bounds__(256)
       buf ^= 1;
       float part[NP];
 
-      // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat)
-      float dxh[NP][VEC];
+      // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
+      // rms / fused recompute dxhat = dy * g for dx below (two multiplies per
+      // element instead of NP * VEC live registers across the reduction); the
+      // gated op keeps it (it needs act(z) again otherwise).
+      constexpr bool KEEP_DXH = OP == OP_GATED || NORMSPEC_BWD_KEEP_DXH;
+      float dxh[KEEP_DXH ? NP : 1][VEC];
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
@@ -662,18 +710,17 @@ __global__ void __launch_bounds__(256)
                                   : act_and_grad_fp32(z[k], sig);
             const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
             dg[k] = gg.dg;
-            dxh[p][k] = gg.dxh;
+            dxh[KEEP_DXH ? p : 0][k] = gg.dxh;
             c[k] = gg.contrib;
-            prod[k] = mul(dxh[p][k], xhat);
+            prod[k] = mul(gg.dxh, xhat);
           }
           if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
         } else {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            dxh[p][k] = mul(dyv[k], g[k]);
             c[k] = mul(dyv[k], xhat);
-            prod[k] = mul(dxh[p][k], xhat);
+            prod[k] = mul(mul(dyv[k], g[k]), xhat);
           }
         }
         zero_beyond<VEC>(c, col, Hc);
@@ -714,11 +761,20 @@ __global__ void __launch_bounds__(256)
         for (int p = 0; p < NP; ++p) {
           const int col = p * S + tcol;
           if (col < Hc) {
-            float v[VEC], out[VEC];
+            float v[VEC], out[VEC], d[VEC];
             norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+            if constexpr (KEEP_DXH) {
 #pragma unroll
-            for (int k = 0; k < VEC; ++k)
-              out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
+              for (int k = 0; k < VEC; ++k) d[k] = dxh[p][k];
+            } else {
+              float dyv[VEC], g[VEC];
+              unpack<T>(cdy[p], dyv);
+              weight_of<VEC>(wsm, p, tm.lane, team_log, g);
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) d[k] = mul(dyv[k], g[k]);
+            }
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) out[k] = mul(rstd, sub(d[k], mul(mul(v[k], rstd), m)));
             if constexpr (OP == OP_FUSED) {
               float dr[VEC];
               unpack<T>(cdr[p], dr);

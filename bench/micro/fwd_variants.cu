@@ -26,19 +26,11 @@
 #include <cstring>
 #include <vector>
 
+#include "micro_util.cuh"
 #include "normspec_pipe.cuh"
 
 using bf16 = __nv_bfloat16;
 using namespace normspec;
-
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 template <bool LDCS>
 __device__ __forceinline__ uint4 ld16(const bf16* p) {
@@ -111,35 +103,6 @@ __global__ void copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, 
     __stcs(b + i, __ldcs(a + i));
 }
 
-struct Timer {
-  void* flush = nullptr;
-  size_t flush_bytes = 512ull << 20;
-  cudaEvent_t e0, e1;
-  Timer() {
-    CK(cudaMalloc(&flush, flush_bytes));
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-  }
-  template <typename F>
-  float median_us(F launch, int reps = 40) {
-    for (int i = 0; i < 5; ++i) launch();
-    std::vector<float> t;
-    for (int i = 0; i < reps; ++i) {
-      CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-      CK(cudaEventRecord(e0));
-      launch();
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(ms * 1000.0f);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  }
-};
-
 struct Case {
   const char* name;
   int op;
@@ -160,17 +123,8 @@ static Buffers make_buffers(const Case& c) {
   CK(cudaMalloc(&b.y, n * 2));
   CK(cudaMalloc(&b.y2, n * 2));
   CK(cudaMalloc(&b.w, c.H * 4));
-  std::vector<unsigned short> hx(n);
-  unsigned s = 12345u;
-  for (auto& v : hx) {
-    s = s * 1664525u + 1013904223u;
-    // normal-ish bf16 values in (-4, 4): sign, exponent 125..128, random mantissa
-    v = static_cast<unsigned short>(((s >> 31) << 15) | ((125u + ((s >> 20) & 3u)) << 7) |
-                                    ((s >> 8) & 0x7fu));
-  }
-  CK(cudaMemcpy(b.x, hx.data(), n * 2, cudaMemcpyHostToDevice));
-  for (auto& v : hx) v = static_cast<unsigned short>(v ^ 0x8001u);
-  CK(cudaMemcpy(b.r, hx.data(), n * 2, cudaMemcpyHostToDevice));
+  fill_bf16(b.x, n, 12345u);
+  fill_bf16(b.r, n, 777u);
   std::vector<float> hw(c.H);
   for (int i = 0; i < c.H; ++i) hw[i] = 0.01f * static_cast<float>((i * 37) % 101 - 50);
   CK(cudaMemcpy(b.w, hw.data(), c.H * 4, cudaMemcpyHostToDevice));

@@ -1,0 +1,63 @@
+// Shared helpers of the bench/micro experiments: error checks and test data.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                           \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));   \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// n bf16 values in (-4, 4) (random sign and mantissa, exponents 125..128) from
+// a linear congruential generator seeded with `seed`, copied to d.
+inline void fill_bf16(__nv_bfloat16* d, size_t n, unsigned seed) {
+  std::vector<unsigned short> h(n);
+  unsigned s = seed;
+  for (auto& v : h) {
+    s = s * 1664525u + 1013904223u;
+    v = static_cast<unsigned short>(((s >> 31) << 15) | ((125u + ((s >> 20) & 3u)) << 7) |
+                                    ((s >> 8) & 0x7fu));
+  }
+  CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+}
+
+// Median microseconds of `launch` over `reps` runs, each after a 512 MiB memset
+// (which leaves L2 full of dirty lines, as triton's do_bench does), after 5 warm-ups.
+struct Timer {
+  void* flush = nullptr;
+  size_t flush_bytes = 512ull << 20;
+  cudaEvent_t e0, e1;
+  Timer() {
+    CK(cudaMalloc(&flush, flush_bytes));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+  }
+  template <typename F>
+  float median_us(F launch, int reps = 40) {
+    for (int i = 0; i < 5; ++i) launch();
+    std::vector<float> t;
+    for (int i = 0; i < reps; ++i) {
+      CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+      CK(cudaEventRecord(e0));
+      launch();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms * 1000.0f);
+    }
+    CK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+};
