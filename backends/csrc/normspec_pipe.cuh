@@ -600,14 +600,12 @@ __global__ void __launch_bounds__(256)
 //   OP_RMS:   r, dres, d2 unused.
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
-// Build-time knobs for bench/micro/bwd_variants.cu (the defaults are the shipped
-// kernel): the minimum resident 256-thread blocks the register budget must allow,
-// and whether rms / fused keep dxhat in registers across the row reduction.
+// Build-time knob for bench/micro/bwd_variants.cu (default: the shipped kernel):
+// the minimum resident 256-thread blocks the register budget must allow. On the
+// H200, 3 (at most 80 registers) left the rms backward as fast and made the fused
+// one spill and run 1.5x slower.
 #ifndef NORMSPEC_BWD_MIN_BLOCKS
 #define NORMSPEC_BWD_MIN_BLOCKS 1
-#endif
-#ifndef NORMSPEC_BWD_KEEP_DXH
-#define NORMSPEC_BWD_KEEP_DXH 0
 #endif
 template <int OP, typename T, int NP>
 __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
@@ -688,11 +686,10 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
       float part[NP];
 
       // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
-      // rms / fused recompute dxhat = dy * g for dx below (two multiplies per
-      // element instead of NP * VEC live registers across the reduction); the
-      // gated op keeps it (it needs act(z) again otherwise).
-      constexpr bool KEEP_DXH = OP == OP_GATED || NORMSPEC_BWD_KEEP_DXH;
-      float dxh[KEEP_DXH ? NP : 1][VEC];
+      // dxhat stays in registers for dx below: recomputing dy * g there instead
+      // (one LDS.128 per four elements and a multiply) cost the rms backward 4-13 %
+      // on the H200 (issue-bound), for no fewer registers.
+      float dxh[NP][VEC];
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
@@ -710,17 +707,18 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
                                   : act_and_grad_fp32(z[k], sig);
             const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
             dg[k] = gg.dg;
-            dxh[KEEP_DXH ? p : 0][k] = gg.dxh;
+            dxh[p][k] = gg.dxh;
             c[k] = gg.contrib;
-            prod[k] = mul(gg.dxh, xhat);
+            prod[k] = mul(dxh[p][k], xhat);
           }
           if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
         } else {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
+            dxh[p][k] = mul(dyv[k], g[k]);
             c[k] = mul(dyv[k], xhat);
-            prod[k] = mul(mul(dyv[k], g[k]), xhat);
+            prod[k] = mul(dxh[p][k], xhat);
           }
         }
         zero_beyond<VEC>(c, col, Hc);
@@ -761,20 +759,11 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
         for (int p = 0; p < NP; ++p) {
           const int col = p * S + tcol;
           if (col < Hc) {
-            float v[VEC], out[VEC], d[VEC];
+            float v[VEC], out[VEC];
             norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
-            if constexpr (KEEP_DXH) {
 #pragma unroll
-              for (int k = 0; k < VEC; ++k) d[k] = dxh[p][k];
-            } else {
-              float dyv[VEC], g[VEC];
-              unpack<T>(cdy[p], dyv);
-              weight_of<VEC>(wsm, p, tm.lane, team_log, g);
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) d[k] = mul(dyv[k], g[k]);
-            }
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) out[k] = mul(rstd, sub(d[k], mul(mul(v[k], rstd), m)));
+            for (int k = 0; k < VEC; ++k)
+              out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
             if constexpr (OP == OP_FUSED) {
               float dr[VEC];
               unpack<T>(cdr[p], dr);

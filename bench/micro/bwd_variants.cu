@@ -1,19 +1,16 @@
 // Register-budget experiment for the pipelined backward (bf16, rms and fused
 // 32768 x 2048, teams of 128 x 2): the shipped kernel (normspec_pipe.cuh) built
-// with its two build-time knobs,
-//   NORMSPEC_BWD_MIN_BLOCKS  minimum resident 256-thread blocks (1: no register cap,
-//                            3: at most 85 registers),
-//   NORMSPEC_BWD_KEEP_DXH    1: rms / fused keep dxhat in registers across the row
-//                            reduction, 0: recompute it from dy and the weight,
-// and dweight groups of 2**glog rows (glog 3 and 4: stacks of 24 or 32 KiB a block).
-// Each binary prints, per case, microseconds (median of 30, each after a 512 MiB L2 flush),
-// TB/s of the row traffic, registers, resident blocks per SM and an FNV-1a hash of
-// dx (and dresidual) and the dweight workspace, which must be the same for every
-// build (same bits).
+// with NORMSPEC_BWD_MIN_BLOCKS, the minimum resident 256-thread blocks its
+// register budget must allow (1: no cap, 3: at most 85 registers), and dweight
+// groups of 2**glog rows (glog 3 and 4: stacks of 24 or 32 KiB a block).
+// Each binary prints, per case, microseconds (median of 30, each after a 512 MiB
+// L2 flush), TB/s of the row traffic, registers, resident blocks per SM and an
+// FNV-1a hash of dx (and dresidual) and the dweight workspace, which must be the
+// same for every build of the same glog (same bits).
 //
-//   for k in "1 0" "1 1" "3 0" "3 1"; do set -- $k; nvcc -O3 -std=c++17 -arch=sm_90a \
-//     -fmad=false -DNORMSPEC_BWD_MIN_BLOCKS=$1 -DNORMSPEC_BWD_KEEP_DXH=$2 -Ibackends/csrc \
-//     bench/micro/bwd_variants.cu -o /tmp/bwd_$1$2 && /tmp/bwd_$1$2; done
+//   for b in 1 3; do nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false \
+//     -DNORMSPEC_BWD_MIN_BLOCKS=$b -Ibackends/csrc bench/micro/bwd_variants.cu \
+//     -o /tmp/bwd_$b && /tmp/bwd_$b; done
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -96,9 +93,9 @@ static void run_case(const char* name, int glog, Timer& timer) {
   int per_sm = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, normspec_bwd_pipe_kernel<OP, bf16, 2>,
                                                    128, smem));
-  std::printf("minb=%d keep_dxh=%d  %-18s glog=%d %8.1f us %6.2f TB/s %4d regs %2d blocks/SM  "
+  std::printf("minb=%d  %-18s glog=%d %8.1f us %6.2f TB/s %4d regs %2d blocks/SM  "
               "hash %016llx\n",
-              NORMSPEC_BWD_MIN_BLOCKS, NORMSPEC_BWD_KEEP_DXH, name, glog, us,
+              NORMSPEC_BWD_MIN_BLOCKS, name, glog, us,
               bytes / (us * 1e-6) / 1e12, fa.numRegs, per_sm, h);
   std::fflush(stdout);
   for (void* p : {static_cast<void*>(x), static_cast<void*>(r), static_cast<void*>(dy),
