@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the pipelined kernels on the bench's large bf16 shapes
-# (rms forward and backward 32768 x 2048, gated forward 2^21 x 128): speed of light,
+# (rms forward and backward 32768 x 2048, q/k forward 524288 x 256, gated forward
+# 2^21 x 128): speed of light,
 # occupancy, launch statistics and warp stall reasons, as CSV under $OUT (default .).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 set -euo pipefail
 OUT=${OUT:-.}
 normspec build > "$OUT/ncu-build.log" 2>&1
-ncu --clock-control none -k regex:pipe --launch-skip 3 --launch-count 3 \
+ncu --clock-control none -k 'regex:normspec_(fwd|bwd)_(pipe|row)' --launch-skip 4 --launch-count 4 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
   python3 scripts/ncu_kernels.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
