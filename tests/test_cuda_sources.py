@@ -85,6 +85,21 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert wanted <= defined, wanted - defined
 
 
+MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(p.name for p in MICRO.glob("*.cu")))
+def test_micro_benchmarks_compile(tmp_path, name):
+    """The kernel-structure experiments under bench/micro/ build against the current
+    kernels (they launch them directly, so a signature change must not break them
+    unnoticed)."""
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-I", str(CSRC),
+           "-c", str(MICRO / name), "-o", str(tmp_path / (name + ".o"))]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
 @needs_nvcc
 def test_torch_facing_cuda_source_compiles(tmp_path):
     torch = pytest.importorskip("torch")
