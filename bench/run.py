@@ -11,7 +11,12 @@ for: torch eager and ``torch.compile`` of the transformers formula (the real
 ``Qwen3NextRMSNorm`` / ``Qwen3NextRMSNormGated`` modules), Liger, FLA, and
 normspec's ``torch_ext`` and ``cupy`` backends, each where it is installed.
 Prints µs, TB/s and the fraction of the measured device-to-device copy
-bandwidth, and writes JSON to ``bench/results/<gpu>.json``.
+bandwidth (a 1 GiB copy), and writes JSON to ``bench/results/<gpu>.json``.
+Every case also gets a reference row, ``device copy (same bytes)``: a copy
+that moves the case's bytes, timed the same way. do_bench flushes L2 by
+writing it full before every call, and a kernel then also pays for writing
+those dirty lines back, which the 1 GiB copy spreads thin. That row shows how
+close to a copy a kernel of this size can get.
 
 Bytes are the fewest a kernel must move: every row input read once, every
 row output written once (the weight and dweight are negligible at these
@@ -79,6 +84,26 @@ def summarize(times: list[float]) -> tuple[float, float]:
     n = len(ordered)
     median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
     return median, (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+
+
+#: The reference row of every case: a device-to-device copy that moves the case's bytes.
+SAME_BYTES = "device copy (same bytes)"
+
+
+def _copy_job(nbytes: int, device: str, rep: float) -> Callable[[], float]:
+    """A job timing ``dst.copy_(src)`` with ``nbytes / 2`` bytes each way: the same traffic
+    as the case, under the same timing (L2 flushed before every call). At small and
+    medium sizes it shows the floor that launch latency and the flush's write-backs set,
+    which the large copy of :func:`copy_bandwidth` does not."""
+    state = {}
+
+    def job():
+        if not state:
+            state["src"] = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device=device)
+            state["dst"] = torch.empty_like(state["src"])
+        return bench_ms(lambda: state["dst"].copy_(state["src"]), rep)
+
+    return job
 
 
 def copy_bandwidth() -> float:
@@ -262,6 +287,10 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
         jobs[(name, "forward")] = forward
         if not quick or rows >= 4096:
             jobs[(name, "backward")] = _backward_job(fn, ins, rep)
+    rows_out[SAME_BYTES] = {"kind": kind, "shape": [rows, hidden], "backend": SAME_BYTES}
+    jobs[(SAME_BYTES, "forward")] = _copy_job(fwd_bytes, device, rep)
+    if any(d == "backward" for _, d in jobs):
+        jobs[(SAME_BYTES, "backward")] = _copy_job(bwd_bytes, device, rep)
     times, errors = interleaved_rounds(jobs, ROUNDS)
     nbytes = {"forward": fwd_bytes, "backward": bwd_bytes}
     for (name, direction), ms_list in times.items():

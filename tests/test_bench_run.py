@@ -89,11 +89,19 @@ def test_time_case_rows_from_rounds_on_the_cpu(monkeypatch):
     monkeypatch.setattr(run, "bench_ms", fake_bench)
     monkeypatch.setattr(run, "BACKEND_FILTER", ())
     rows = run.time_case("norm", 4096, 8, bw=1.0, quick=True, device="cpu")
-    ref, bad = rows
-    # round 1: ref fwd, ref bwd (grads of x and weight), broken fwd + bwd fail; rounds 2, 3
-    assert ran == ["Tensor", "tuple"] * 3
-    assert ref["forward_us_rounds"] == [3000.0, 2000.0, 4000.0]
-    assert ref["forward_us"] == 3000.0 and ref["forward_spread"] == pytest.approx(2 / 3)
-    assert ref["backward_us_rounds"] == [1000.0, 5000.0, 6000.0]
-    assert ref["backward_us"] == 5000.0
+    ref, bad, copy = rows
+    # per round: ref fwd, ref bwd (grads of x and weight), broken fwd + bwd fail, then the
+    # same-bytes copy forward and backward; three rounds
+    assert ran == ["Tensor", "tuple", "Tensor", "Tensor"] * 3
+    assert ref["forward_us_rounds"] == [3000.0, 4000.0, 8000.0]
+    assert ref["forward_us"] == 4000.0 and ref["forward_spread"] == pytest.approx(5 / 4)
+    assert ref["backward_us_rounds"] == [1000.0, 6000.0, 4000.0]
+    assert ref["backward_us"] == 4000.0
     assert bad["error"] == "RuntimeError: no such kernel" and "forward_us" not in bad
+    # the reference copy moves the case's bytes: forward x in, y out; backward dy, x in, dx out
+    assert copy["backend"] == run.SAME_BYTES
+    assert copy["forward_us_rounds"] == [2000.0, 9000.0, 4000.0]
+    assert copy["backward_us_rounds"] == [5000.0, 7000.0, 4000.0]
+    elem = 4096 * 8 * 2
+    assert copy["forward_tbps"] == pytest.approx(2 * elem / 4000e-6 / 1e12)
+    assert copy["backward_tbps"] == pytest.approx(3 * elem / 5000e-6 / 1e12)
