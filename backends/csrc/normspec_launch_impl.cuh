@@ -411,14 +411,47 @@ void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
       g.team_log);
 }
 
-template <int OP, typename T, int NP>
-void forward_row_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+template <int OP, typename T, int NP, int FULL_TL>
+void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   const void* w = pipe_weight(a);
   const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
-  normspec_fwd_row_kernel<OP, T, NP><<<grid, g.block(), 0, stream>>>(
+  normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, g.block(), 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log);
+}
+
+// Rows that fill the team exactly with the default passes (power-of-two H) run
+// the form with constant geometry (FULL_TL = team_log, teams of 2..256 threads);
+// other rows the general one.
+template <int OP, typename T, int NP>
+void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+  constexpr int DEFAULT_NP = OP == OP_RMS ? 4 : 2;
+  if constexpr (NP == DEFAULT_NP) {
+    if (a.H != (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
+      return launch_row<OP, T, NP, -1>(a, g, stream);
+    switch (g.team_log) {
+      case 1:
+        return launch_row<OP, T, NP, 1>(a, g, stream);
+      case 2:
+        return launch_row<OP, T, NP, 2>(a, g, stream);
+      case 3:
+        return launch_row<OP, T, NP, 3>(a, g, stream);
+      case 4:
+        return launch_row<OP, T, NP, 4>(a, g, stream);
+      case 5:
+        return launch_row<OP, T, NP, 5>(a, g, stream);
+      case 6:
+        return launch_row<OP, T, NP, 6>(a, g, stream);
+      case 7:
+        return launch_row<OP, T, NP, 7>(a, g, stream);
+      case 8:
+        return launch_row<OP, T, NP, 8>(a, g, stream);
+      default:
+        break;
+    }
+  }
+  launch_row<OP, T, NP, -1>(a, g, stream);
 }
 
 template <int OP, typename T, int NP>

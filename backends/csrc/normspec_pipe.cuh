@@ -549,21 +549,31 @@ __global__ void __launch_bounds__(256)
 // factors come from global memory (L1 hits) instead of a per-block fill. On
 // the H200 this beats the persistent kernel by 4-6 % (bench/micro/fwd_variants.cu).
 // Same device functions as the persistent kernel, so the same bits.
-template <int OP, typename T, int NP>
+//
+// FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL, so
+// every vector is full and P = H) with teams of 2**FULL_TL threads: the team
+// size and H are constants, so every geometry predicate of the shared device
+// functions (shuffle and tree levels, tails, col < H) folds away; the launcher
+// picks this form for power-of-two rows in the default geometry. FULL_TL = -1:
+// any H and team (the `H` and `team_log` arguments).
+template <int OP, typename T, int NP, int FULL_TL = -1>
 __global__ void __launch_bounds__(256)
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
                             long long sr, long long sy, long long sy2, float eps, float offset,
-                            int flags, int team_log) {
+                            int flags, int team_log_arg) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;
+  constexpr bool FULL = FULL_TL >= 0;
   __shared__ float red[NP * 32];
+  const int team_log = FULL ? FULL_TL : team_log_arg;
   const Team tm = make_team(team_log);
   const long long row = tm.slot;
-  const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
-  const int P = static_cast<int>(next_pow2(H));
+  // <= 8192: column arithmetic in 32 bits
+  const int Hc = FULL ? (NP * VEC) << (FULL ? FULL_TL : 0) : static_cast<int>(H);
+  const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
   uint4 cx[NP], cr[NP];
