@@ -421,6 +421,17 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
       g.team_log);
 }
 
+// The constant-geometry form for teams of 2**TL..256 threads, else the general one.
+template <int OP, typename T, int NP, int TL>
+void launch_full_row(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+  if constexpr (TL <= 8) {
+    if (g.team_log == TL) return launch_row<OP, T, NP, TL>(a, g, stream);
+    return launch_full_row<OP, T, NP, TL + 1>(a, g, stream);
+  } else {
+    return launch_row<OP, T, NP, -1>(a, g, stream);
+  }
+}
+
 // Rows that fill the team exactly with the default passes (power-of-two H) run
 // the form with constant geometry (FULL_TL = team_log, teams of 2..256 threads);
 // other rows the general one.
@@ -428,28 +439,8 @@ template <int OP, typename T, int NP>
 void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int DEFAULT_NP = OP == OP_RMS ? 4 : 2;
   if constexpr (NP == DEFAULT_NP) {
-    if (a.H != (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
-      return launch_row<OP, T, NP, -1>(a, g, stream);
-    switch (g.team_log) {
-      case 1:
-        return launch_row<OP, T, NP, 1>(a, g, stream);
-      case 2:
-        return launch_row<OP, T, NP, 2>(a, g, stream);
-      case 3:
-        return launch_row<OP, T, NP, 3>(a, g, stream);
-      case 4:
-        return launch_row<OP, T, NP, 4>(a, g, stream);
-      case 5:
-        return launch_row<OP, T, NP, 5>(a, g, stream);
-      case 6:
-        return launch_row<OP, T, NP, 6>(a, g, stream);
-      case 7:
-        return launch_row<OP, T, NP, 7>(a, g, stream);
-      case 8:
-        return launch_row<OP, T, NP, 8>(a, g, stream);
-      default:
-        break;
-    }
+    if (a.H == (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
+      return launch_full_row<OP, T, NP, 1>(a, g, stream);
   }
   launch_row<OP, T, NP, -1>(a, g, stream);
 }
