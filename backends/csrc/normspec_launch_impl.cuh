@@ -445,8 +445,8 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
   launch_row<OP, T, NP, -1>(a, g, stream);
 }
 
-template <int OP, typename T, int NP>
-void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
+template <int OP, typename T, int NP, int FULL_TL>
+void launch_bwd_pipe(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
   const void* w = pipe_weight(a);
   static int occ[9][6][2] = {{{0}}};
   PipeGeometry g;
@@ -459,7 +459,7 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
                      fits_smem(base + GATE_TABLE_SLOTS * sizeof(float2), device_smem_optin());
   if (table) a.flags |= F_GATE_TABLE;
   const size_t smem = base + (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
-  auto kernel = normspec_bwd_pipe_kernel<OP, T, NP>;
+  auto kernel = normspec_bwd_pipe_kernel<OP, T, NP, FULL_TL>;
   if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][plan.glog][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
@@ -469,6 +469,22 @@ void backward_pipe_t(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
       static_cast<const T*>(a.dres), static_cast<T*>(a.y), static_cast<T*>(a.y2), ws, a.rows,
       a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2, a.eps, a.offset, a.flags, plan.team_log,
       plan.glog);
+}
+
+// Full rows (H = NP * VEC * 2**team_log) of the common default geometries run the
+// constant-geometry backward: one pass at 16 and 32 lanes (H = 128 and 256 bf16),
+// two passes at 128 and 256 threads (H = 2048 and 4096 bf16, 2048 fp32).
+template <int OP, typename T, int NP>
+void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
+                     cudaStream_t stream) {
+  constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1
+  const bool full = a.H == (static_cast<long long>(NP) * VecOf<T>::value << plan.team_log);
+  if constexpr (NP <= 2) {
+    if (full && plan.team_log == LO) return launch_bwd_pipe<OP, T, NP, LO>(a, ws, plan, stream);
+    if (full && plan.team_log == LO + 1)
+      return launch_bwd_pipe<OP, T, NP, LO + 1>(a, ws, plan, stream);
+  }
+  launch_bwd_pipe<OP, T, NP, -1>(a, ws, plan, stream);
 }
 
 // Which forward kernel family a call runs on (alignment already set).

@@ -617,15 +617,19 @@ __global__ void __launch_bounds__(256)
 #ifndef NORMSPEC_BWD_MIN_BLOCKS
 #define NORMSPEC_BWD_MIN_BLOCKS 1
 #endif
-template <int OP, typename T, int NP>
+//
+// FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL) with
+// teams of 2**FULL_TL threads, as for the one-row forward: the geometry is
+// constant and its predicates fold away.
+template <int OP, typename T, int NP, int FULL_TL = -1>
 __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, const T* __restrict__ dy,
                              const T* __restrict__ dres, T* __restrict__ dx,
                              T* __restrict__ d2, float* __restrict__ ws, long long rows,
-                             long long H, long long sx, long long sr, long long sdy,
+                             long long H_arg, long long sx, long long sr, long long sdy,
                              long long sdres, long long sdx, long long sd2, float eps,
-                             float offset, int flags, int team_log, int glog) {
+                             float offset, int flags, int team_log_arg, int glog) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr int Q = VEC / 4;  // float4 per vector
@@ -634,14 +638,17 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
   constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
   __shared__ float red[2][NP * 32];
   extern __shared__ float4 stk[];  // dweight stacks, weight factors, gate table
+  constexpr bool FULL = FULL_TL >= 0;
+  const int team_log = FULL ? FULL_TL : team_log_arg;
+  const long long H = FULL ? (static_cast<long long>(NP) * VEC) << (FULL ? FULL_TL : 0) : H_arg;
   const Team tm = make_team(team_log);
   const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
-  const int P = static_cast<int>(next_pow2(H));
+  const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
   const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
   const bool ws_aligned = (H % 4) == 0;
-  const int nthr = blockDim.x;
+  const int nthr = FULL ? (FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0)) : blockDim.x;
   const long long R = 1LL << glog;
   const long long groups = (rows + R - 1) / R;
 
