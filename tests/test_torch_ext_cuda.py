@@ -72,7 +72,7 @@ def check_case(op, params, shape, dtype, wdtype, seed, *, specials=True, layouts
 
 
 SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
-          (2, 40000), (70, 256), (1, 5000)]
+          (2, 40000), (70, 256), (1, 5000), (40, 128), (17, 4096)]
 
 
 @pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
