@@ -3,8 +3,9 @@
 The launcher (``backends/csrc/normspec_launch_impl.cuh``) reads ``NORMSPEC_FWD_TEAM``,
 ``NORMSPEC_BWD_TEAM``, ``NORMSPEC_BWD_GLOG``, ``NORMSPEC_PIPE`` (``0``: the register /
 streaming kernels instead of the pipelined ones), ``NORMSPEC_FWD_ROW`` (``0``: the
-persistent forward instead of one row per team) and ``NORMSPEC_GATE_TABLE`` (``0``: the
-gated kernels evaluate the activation for every element)
+persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``: the
+gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
+(``0``: the general-geometry kernels also where a constant-geometry form exists)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -44,7 +45,7 @@ import torch
 EPS = 1e-6
 BF16 = torch.bfloat16
 ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
-            "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE")
+            "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -275,7 +276,8 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
     out = [{"name": "default", "env": {}, "parts": both},
            {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": both},
            {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both},
-           {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]}]
+           {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]},
+           {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both}]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
                                           "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
             for t in teams]

@@ -271,6 +271,7 @@ OVERRIDES = [
     {"NORMSPEC_FWD_TEAM": "4", "NORMSPEC_BWD_TEAM": "8"},
     {"NORMSPEC_PIPE": "0"},
     {"NORMSPEC_FWD_ROW": "0"},
+    {"NORMSPEC_FULL_ROW": "0"},
 ]
 
 

@@ -12,6 +12,8 @@
 //   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 1..1024)
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
+//   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
+//                         the team exactly, instead of the constant-geometry forms)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -228,6 +230,16 @@ inline bool row_forward_enabled() {
   return on;
 }
 
+// NORMSPEC_FULL_ROW=0: no constant-geometry forms (default: rows that fill the
+// team exactly run the forms whose geometry predicates fold away at compile time).
+inline bool full_row_forms_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_FULL_ROW");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return on;
+}
+
 // The one-row-per-team forward: by default four vectors per thread for the rms
 // norm and two for the ops that read two row tensors (H200,
 // bench/micro/fwd_variants.cu, H = 2048 bf16: rms 64 x 4 72.1 us against 76.3 for
@@ -439,7 +451,8 @@ template <int OP, typename T, int NP>
 void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int DEFAULT_NP = OP == OP_RMS ? 4 : 2;
   if constexpr (NP == DEFAULT_NP) {
-    if (a.H == (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
+    if (full_row_forms_enabled() &&
+        a.H == (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
       return launch_full_row<OP, T, NP, 1>(a, g, stream);
   }
   launch_row<OP, T, NP, -1>(a, g, stream);
@@ -478,7 +491,8 @@ template <int OP, typename T, int NP>
 void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
   constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1
-  const bool full = a.H == (static_cast<long long>(NP) * VecOf<T>::value << plan.team_log);
+  const bool full = full_row_forms_enabled() &&
+                    a.H == (static_cast<long long>(NP) * VecOf<T>::value << plan.team_log);
   if constexpr (NP <= 2) {
     if (full && plan.team_log == LO) return launch_bwd_pipe<OP, T, NP, LO>(a, ws, plan, stream);
     if (full && plan.team_log == LO + 1)
