@@ -401,18 +401,15 @@ void allow_smem_once(K kernel, bool (&done)[64]) {
     done[dev] = true;
   }
 }
-template <int OP, typename T, int NP>
-void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+template <int OP, typename T, int NP, int FULL_TL>
+void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream_t stream) {
   const void* w = pipe_weight(a);
   static int occ[9][2] = {{0}};
   static bool opted[64] = {false};
   constexpr int VEC = VecOf<T>::value;
-  const size_t weights = pipe_weight_bytes(g, VEC);
-  const bool table = use_gate_table<OP, T>(a) &&
-                     fits_smem(weights + GATE_TABLE_SLOTS * sizeof(float), device_smem_optin());
   if (table) a.flags |= F_GATE_TABLE;
-  const size_t smem = weights + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
-  auto kernel = normspec_fwd_pipe_kernel<OP, T, NP>;
+  const size_t smem = pipe_weight_bytes(g, VEC) + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
+  auto kernel = normspec_fwd_pipe_kernel<OP, T, NP, FULL_TL>;
   if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
@@ -421,6 +418,26 @@ void forward_pipe_t(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log);
+}
+
+// The persistent forward. Gate-table launches of rows that fill the team
+// exactly (the GDN head sizes 64..512 in bf16) run the constant-geometry form.
+template <int OP, typename T, int NP>
+void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+  constexpr int VEC = VecOf<T>::value;
+  const bool table =
+      use_gate_table<OP, T>(a) &&
+      fits_smem(pipe_weight_bytes(g, VEC) + GATE_TABLE_SLOTS * sizeof(float),
+                device_smem_optin());
+  if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 2) {
+    const bool full = table && full_row_forms_enabled() &&
+                      a.H == (static_cast<long long>(NP) * VEC << g.team_log);
+    if (full && g.team_log == 2) return launch_fwd_pipe<OP, T, NP, 2>(a, g, true, stream);
+    if (full && g.team_log == 3) return launch_fwd_pipe<OP, T, NP, 3>(a, g, true, stream);
+    if (full && g.team_log == 4) return launch_fwd_pipe<OP, T, NP, 4>(a, g, true, stream);
+    if (full && g.team_log == 5) return launch_fwd_pipe<OP, T, NP, 5>(a, g, true, stream);
+  }
+  launch_fwd_pipe<OP, T, NP, -1>(a, g, table, stream);
 }
 
 template <int OP, typename T, int NP, int FULL_TL>

@@ -469,26 +469,35 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 // ---- forward --------------------------------------------------------------------
 //   OP_RMS: r, y2 unused.  OP_FUSED: r = residual, y2 = new residual.
 //   OP_GATED: r = gate, y2 unused.
-template <int OP, typename T, int NP>
+//
+// FULL_TL >= 0 (the gated op on bf16 with the gate table only): rows that fill
+// the team exactly (H = NP * VEC * 2**FULL_TL) with teams of 2**FULL_TL
+// threads, as for the one-row forward; the table is then always used, so the
+// kernel holds no inline evaluation of the activation outside the table fill.
+template <int OP, typename T, int NP, int FULL_TL = -1>
 __global__ void __launch_bounds__(256)
     normspec_fwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, T* __restrict__ y,
-                             T* __restrict__ y2, long long rows, long long H, long long sx,
+                             T* __restrict__ y2, long long rows, long long H_arg, long long sx,
                              long long sr, long long sy, long long sy2, float eps, float offset,
-                             int flags, int team_log) {
+                             int flags, int team_log_arg) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;  // a second row tensor (residual / gate)
   constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
+  constexpr bool FULL = FULL_TL >= 0;
+  static_assert(!FULL || TABLE_OK, "the constant-geometry form is the gate-table kernel");
   __shared__ float red[2][NP * 32];
   extern __shared__ float4 dyn[];  // weight factors, then the gate table
+  const int team_log = FULL ? FULL_TL : team_log_arg;
+  const long long H = FULL ? (static_cast<long long>(NP) * VEC) << (FULL ? FULL_TL : 0) : H_arg;
   const Team tm = make_team(team_log);
   const int Hc = static_cast<int>(H);  // <= 8192: column arithmetic in 32 bits
-  const int P = static_cast<int>(next_pow2(H));
+  const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
   const bool sig = flags & F_SIGMOID;
-  const bool table = TABLE_OK && (flags & F_GATE_TABLE);
+  const bool table = FULL || (TABLE_OK && (flags & F_GATE_TABLE));
 
   float4* wsm = dyn;
   float* tab = reinterpret_cast<float*>(dyn + weight_float4s<NP, VEC>(team_log));
