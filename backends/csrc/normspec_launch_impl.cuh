@@ -421,7 +421,8 @@ void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream
 }
 
 // The persistent forward. Gate-table launches of rows that fill the team
-// exactly (the GDN head sizes 64..512 in bf16) run the constant-geometry form.
+// exactly (bf16, one or two passes over teams of 4..32 lanes: H = 32..512)
+// run the constant-geometry form.
 template <int OP, typename T, int NP>
 void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int VEC = VecOf<T>::value;
@@ -429,7 +430,7 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
       use_gate_table<OP, T>(a) &&
       fits_smem(pipe_weight_bytes(g, VEC) + GATE_TABLE_SLOTS * sizeof(float),
                 device_smem_optin());
-  if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 2) {
+  if constexpr (OP == OP_GATED && IsBf16<T>::value && NP <= 2) {
     const bool full = table && full_row_forms_enabled() &&
                       a.H == (static_cast<long long>(NP) * VEC << g.team_log);
     if (full && g.team_log == 2) return launch_fwd_pipe<OP, T, NP, 2>(a, g, true, stream);
