@@ -168,7 +168,7 @@ def geometry(part: str, hidden: int, team: int | None, vec: int = 8, pipe: bool 
         if fits:
             return f"r{threads}/NP{fits[0]}"
     if pipe:
-        one_pass = 8 if part == "fwd" else 32
+        one_pass = 16 if part == "fwd" else 32
         threads = team or (_next_pow2(nvec) if nvec <= one_pass else
                            _next_pow2(nvec) // 2 if nvec <= 512 else 256)
         fits = [n for n in (1, 2, 4) if n * threads * vec >= hidden] if threads <= 256 else []

@@ -241,7 +241,7 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     nvec = -(-hidden // vec)
     if nvec > 1024:
         return 0, 0
-    one_pass = 32 if backward else 8
+    one_pass = 32 if backward else 16
     team = (cb.next_pow2(nvec) if nvec <= one_pass else
             cb.next_pow2(nvec) // 2 if nvec <= 512 else 256)
     np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)

@@ -272,7 +272,7 @@ OVERRIDES = [
     {"NORMSPEC_PIPE": "0"},
     {"NORMSPEC_FWD_ROW": "0"},
     {"NORMSPEC_FULL_ROW": "0"},
-    {"NORMSPEC_FWD_TEAM": "16"},
+    {"NORMSPEC_FWD_TEAM": "8"},
 ]
 
 

@@ -197,16 +197,18 @@ inline PipeGeometry with_passes(long long threads, long long H, int vec) {
 }
 
 // threads per team from the override (0: default), NP the fewest passes that cover H.
-// Defaults (H200 sweeps, bench/results/sweeps/): two passes per thread from 9
-// vectors on in the forward (H = 128 bf16: 8 lanes x 2, 3.19 vs 2.94 TB/s for 16 x 1)
-// and from 33 vectors on in the backward (H = 256: 32 x 1 beat 16 x 2, 2.87 vs
+// Defaults (H200 sweeps, bench/results/sweeps/): two passes per thread from 17
+// vectors on in the forward (H = 128 bf16 gated with the gate table, constant-geometry
+// forms: 16 lanes x 1 423.7 us against 434.5 for 8 x 2, gated_forward_one_pass.json;
+// the general forms had 8 x 2 ahead, 3.19 vs 2.94 TB/s) and from 33 vectors on in
+// the backward (H = 256: 32 x 1 beat 16 x 2, 2.87 vs
 // 2.48 TB/s); teams of 1..32 lanes share warps; 256 x 4 for 513..1024 vectors.
 inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads,
                                   bool backward) {
   PipeGeometry g;
   if (!pipe_enabled()) return g;
   const long long nvec = (H + vec - 1) / vec;
-  const long long one_pass = backward ? 32 : 8;  // up to this many vectors: one pass
+  const long long one_pass = backward ? 32 : 16;  // up to this many vectors: one pass
   long long threads;
   if (override_threads > 0) {
     threads = override_threads;
