@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
@@ -56,6 +56,11 @@ for s in $stages; do
       run ${NCU_LIMIT:-150} ncu env OUT="$OUT/ncu" bash scripts/ncu_profile.sh
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu.csv" "bench/results/ncu/pipe_kernels_${gpu}.csv" 2>/dev/null ;;
+    ncu-peers)  # the same forwards through torch.compile (triton kernels), for comparison
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      run ${NCU_LIMIT:-240} ncu-peers env OUT="$OUT/ncu" PEERS=1 bash scripts/ncu_profile.sh
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
+      cp "$OUT/ncu/ncu_peers.csv" "bench/results/ncu/torch_compile_${gpu}.csv" 2>/dev/null ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac

@@ -3,15 +3,23 @@
 # (rms forward and backward 32768 x 2048, q/k forward 524288 x 256, gated forward
 # 2^21 x 128): speed of light,
 # occupancy, launch statistics and warp stall reasons, as CSV under $OUT (default .).
+# PEERS=1: the same forwards through torch.compile of the transformers modules (their
+# triton kernels), into $OUT/ncu_peers.csv, to compare with ours.
+# Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 set -euo pipefail
 OUT=${OUT:-.}
-normspec build > "$OUT/ncu-build.log" 2>&1
-ncu --clock-control none -k 'regex:normspec_(fwd|bwd)_(pipe|row)' --launch-skip 4 --launch-count 4 \
+if [ "${PEERS:-0}" = 1 ]; then
+  filter='regex:triton_'; args=--peers; csv="$OUT/ncu_peers.csv"
+else
+  normspec build > "$OUT/ncu-build.log" 2>&1
+  filter='regex:normspec_(fwd|bwd)_(pipe|row)'; args=; csv="$OUT/ncu.csv"
+fi
+ncu --clock-control none --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
-  python3 scripts/ncu_kernels.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
-python3 - "$OUT/ncu.csv" <<'PY'
+  python3 scripts/ncu_kernels.py $args > "$csv" 2> "${csv%.csv}.err"
+python3 - "$csv" <<'PY'
 import csv, sys
 rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
 names, units, kernels = rows[0], rows[1], rows[2:]
