@@ -143,17 +143,56 @@ def ext_forward(op, rows, weight, eps, params):
     return out if isinstance(out, tuple) else (out,)
 
 
-def ext_backward(op, grads, rows, weight, eps, params):
+def ext_backward(op, grads, rows, weight, eps, params, rstd=None):
+    """The backward operator; ``rstd``: the forward's, read instead of recomputed."""
     ops = torch.ops.normspec
     if op == "rms_norm":
-        return ops.rms_norm_backward(grads[0], rows["x"], weight, eps, params["offset"])
+        return ops.rms_norm_backward(grads[0], rows["x"], weight, eps, params["offset"], rstd)
     if op == "fused_add_rms_norm":
         return ops.fused_add_rms_norm_backward(
             grads[0], grads[1], rows["x"], rows["residual"], weight, eps, params["offset"],
-            params["residual_sum"])
+            params["residual_sum"], rstd)
     return ops.rms_norm_gated_backward(
         grads[0], rows["x"], rows["gate"], weight, eps, params["convention"],
-        params["activation"])
+        params["activation"], rstd)
+
+
+def ext_forward_with_rstd(op, rows, weight, eps, params):
+    """The ``*_with_rstd`` forward operator: ``(*outputs, rstd)``."""
+    ops = torch.ops.normspec
+    if op == "rms_norm":
+        return ops.rms_norm_with_rstd(rows["x"], weight, eps, params["offset"])
+    if op == "fused_add_rms_norm":
+        return ops.fused_add_rms_norm_with_rstd(rows["x"], rows["residual"], weight, eps,
+                                                params["offset"], params["residual_sum"])
+    return ops.rms_norm_gated_with_rstd(rows["x"], rows["gate"], weight, eps,
+                                        params["convention"], params["activation"])
+
+
+def spec_rstd(op, rows, eps, params):
+    """The spec's rstd of every row (fp32, the shape of x without its last dimension)."""
+    from normspec.spec.rms_norm import normalize_rows
+
+    x = rows["x"]
+    s = x.to(F32)
+    if op == "fused_add_rms_norm":
+        s = s + rows["residual"].to(F32)
+        if params["residual_sum"] == "rounded":
+            s = s.to(x.dtype).to(F32)
+    return normalize_rows(s, eps)[1].squeeze(-1)
+
+
+def check_saved_rstd(op, rows, weight, grads, eps, params, want, want_g, ctx):
+    """The ``*_with_rstd`` forward gives the spec's outputs and the spec's rstd (computed on
+    the CPU), and the backward given that rstd gives the spec's gradients."""
+    out = ext_forward_with_rstd(op, rows, weight, eps, params)
+    for i, (g, w) in enumerate(zip(out[:-1], want, strict=True)):
+        assert_bits(g, w, f"with_rstd forward output {i} of {ctx}")
+    cpu_rows = {name: t.cpu() for name, t in rows.items()}
+    assert_bits(out[-1], spec_rstd(op, cpu_rows, eps, params), f"rstd of {ctx}")
+    got_g = ext_backward(op, grads, rows, weight, eps, params, rstd=out[-1])
+    for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+        assert_bits(g, w, f"{name} with the saved rstd, {ctx}")
 
 
 def grad_names(op):

@@ -9,8 +9,10 @@ from _torch_ext_cases import (
     LAYOUTS,
     VARIANTS,
     assert_bits,
+    check_saved_rstd,
     ext_backward,
     ext_forward,
+    ext_forward_with_rstd,
     grad_names,
     layout,
     make_case,
@@ -52,6 +54,7 @@ def check_case(op, params, shape, dtype, wdtype, seed, *, specials=True, layouts
     got_g = ext_backward(op, lgrads, lrows, weight, eps, params)
     for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
         assert_bits(g, w, f"{name} of {ctx}")
+    check_saved_rstd(op, lrows, weight, lgrads, eps, params, want, want_g, ctx)
 
 
 # ---- a deterministic sweep: every variant x dtype pair ---------------------------------
@@ -131,6 +134,67 @@ def test_empty_rows():
 
 
 # ---- autograd: the Python functions differentiate through the declared backward ----------
+# ---- the saved rstd ------------------------------------------------------------------------
+def test_backward_reads_the_given_rstd():
+    """The backward uses the rstd it is given (here a wrong one, so dx changes); None
+    recomputes it."""
+    x, dy = torch.randn(4, 32), torch.randn(4, 32)
+    w = torch.randn(32)
+    _, rstd = torch.ops.normspec.rms_norm_with_rstd(x, w, EPS, 0.0)
+    right = torch.ops.normspec.rms_norm_backward(dy, x, w, EPS, 0.0, rstd)
+    again = torch.ops.normspec.rms_norm_backward(dy, x, w, EPS, 0.0, None)
+    wrong = torch.ops.normspec.rms_norm_backward(dy, x, w, EPS, 0.0, rstd * 2)
+    assert_bits(right[0], again[0], "dx, given rstd vs recomputed")
+    assert not torch.equal(right[0], wrong[0])
+
+
+def test_autograd_passes_the_forward_rstd_to_the_backward():
+    """With a gradient to compute, the public functions run the *_with_rstd forward and
+    the backward operator receives its rstd; without one, the plain forward runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((str(func.overloadpacket), args))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 16, requires_grad=True)
+    gate = torch.randn(3, 16)
+    w = torch.randn(16)
+    with Record():
+        te.rms_norm_gated(x, gate, w, eps=EPS).sum().backward()
+    names = [name for name, _ in calls if name.startswith("normspec.")]
+    assert names == ["normspec.rms_norm_gated_with_rstd", "normspec.rms_norm_gated_backward"]
+    backward_args = next(a for n, a in calls if n == "normspec.rms_norm_gated_backward")
+    assert isinstance(backward_args[-1], torch.Tensor) and backward_args[-1].shape == (3,)
+    with Record():
+        calls.clear()
+        with torch.no_grad():
+            te.rms_norm_gated(x, gate, w, eps=EPS)
+    assert [n for n, _ in calls if n.startswith("normspec.")] == ["normspec.rms_norm_gated"]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda r: r.double(), "rstd: expected dtype float32"),
+    (lambda r: r[:2], "rstd: expected the shape of x without its last dimension"),
+    (lambda r: r.repeat(2)[::2], "rstd: expected a contiguous tensor"),
+])
+def test_given_rstd_is_checked(bad, match):
+    x, dy = torch.randn(4, 8), torch.randn(4, 8)
+    w = torch.randn(8)
+    _, rstd = torch.ops.normspec.rms_norm_with_rstd(x, w, EPS, 0.0)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.normspec.rms_norm_backward(dy, x, w, EPS, 0.0, bad(rstd))
+
+
+def test_with_rstd_of_no_rows():
+    x = torch.empty(2, 0, 5, dtype=torch.bfloat16)
+    out = ext_forward_with_rstd("rms_norm", {"x": x}, torch.ones(5), EPS, {"offset": 0.0})
+    assert out[0].shape == (2, 0, 5) and out[1].shape == (2, 0) and out[1].dtype == torch.float32
+
+
 @pytest.mark.parametrize("op,params", VARIANTS[::2])
 def test_autograd_matches_spec_backward(op, params):
     rows, weight, grads = make_case(op, params, (4, 3, 96), torch.bfloat16, torch.float32, 7,
@@ -204,10 +268,23 @@ def _opcheck_samples():
                               t(33), 1e-6, "hf", "sigmoid")),
         (ops.rms_norm_gated_backward,
          (*(t(3, 40, grad=False) for _ in range(3)), t(40, grad=False), 1e-6, "hf", "silu")),
+        (ops.rms_norm_with_rstd, (t(3, 40), t(40), 1e-6, 1.0)),
+        (ops.fused_add_rms_norm_with_rstd,
+         (t(2, 3, 24, dtype=torch.bfloat16), t(2, 3, 24, dtype=torch.bfloat16), t(24), 1e-6,
+          0.0, "rounded")),
+        (ops.rms_norm_gated_with_rstd, (t(3, 40), t(3, 40), t(40), 1e-6, "vllm", "sigmoid")),
+        (ops.rms_norm_backward, (t(3, 40, grad=False), t(3, 40, grad=False),
+                                 t(40, grad=False), 1e-6, 1.0, t(3, grad=False).abs())),
+        (ops.fused_add_rms_norm_backward,
+         (*(t(2, 40, grad=False) for _ in range(4)), t(40, grad=False), 1e-6, 0.0, "fp32",
+          t(2, grad=False).abs())),
+        (ops.rms_norm_gated_backward,
+         (*(t(3, 40, grad=False) for _ in range(3)), t(40, grad=False), 1e-6, "vllm", "silu",
+          t(3, grad=False).abs())),
     ]
 
 
-@pytest.mark.parametrize("i", range(9))
+@pytest.mark.parametrize("i", range(15))
 def test_opcheck(i):
     op, args = _opcheck_samples()[i]
     torch.library.opcheck(op, args)

@@ -9,8 +9,10 @@ from _torch_ext_cases import (
     LAYOUTS,
     VARIANTS,
     assert_bits,
+    check_saved_rstd,
     ext_backward,
     ext_forward,
+    ext_forward_with_rstd,
     grad_names,
     layout,
     make_case,
@@ -69,6 +71,7 @@ def check_case(op, params, shape, dtype, wdtype, seed, *, specials=True, layouts
     got_g = ext_backward(op, cgrads, crows, cw, eps, params)
     for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
         assert_bits(g, w, f"CUDA {name} of {ctx}")
+    check_saved_rstd(op, crows, cw, cgrads, eps, params, want, want_g, f"CUDA {ctx}")
 
 
 SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
@@ -137,6 +140,29 @@ def test_weight_in_the_input_dtype(op, params, how):
         want_g = spec_backward(op, grads, rows, weight, EPS, params)
         for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
             assert_bits(g, w, f"{name} of {ctx}")
+
+
+@pytest.mark.parametrize("op,params,shape", [
+    ("rms_norm", {"offset": 1.0}, (300, 2048)),
+    ("fused_add_rms_norm", {"offset": 1.0, "residual_sum": "rounded"}, (300, 2048)),
+    ("rms_norm_gated", {"convention": "vllm", "activation": "silu"}, (20000, 128)),
+    ("rms_norm", {"offset": 0.0}, (70, 1000)),
+])
+def test_pipelined_backward_reads_the_saved_rstd(op, params, shape):
+    """The pipelined backward reads the rstd it is given: the forward's gives the spec's
+    gradients (checked in check_case), a wrong one (twice the forward's) changes dx."""
+    rows, weight, grads = make_case(op, params, shape, torch.bfloat16, torch.bfloat16, 9,
+                                    specials=False)
+    crows = {k: v.cuda() for k, v in rows.items()}
+    cgrads = [g.cuda() for g in grads]
+    cw = weight.cuda()
+    rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)[-1]
+    right = ext_backward(op, cgrads, crows, cw, EPS, params, rstd=rstd)
+    again = ext_backward(op, cgrads, crows, cw, EPS, params)
+    wrong = ext_backward(op, cgrads, crows, cw, EPS, params, rstd=rstd * 2)
+    for name, g, w in zip(grad_names(op), right, again, strict=True):
+        assert_bits(g, w, f"{name}: given rstd vs recomputed")
+    assert not torch.equal(right[0], wrong[0])
 
 
 def test_many_rows_dweight_tree():
@@ -273,6 +299,7 @@ OVERRIDES = [
     {"NORMSPEC_FWD_ROW": "0"},
     {"NORMSPEC_FULL_ROW": "0"},
     {"NORMSPEC_FWD_TEAM": "8"},
+    {"NORMSPEC_SAVED_RSTD": "0"},
 ]
 
 

@@ -55,7 +55,7 @@ inline float norm_input(const Opts& o, const T* xr, const T* rr, int64_t i) {
 
 template <typename T>
 void forward_impl(const Opts& o, const RowView& xv, const RowView* rv, const float* w, T* y,
-                  T* y2) {
+                  T* y2, float* rstd_out) {
   using IO = HostIO<T>;
   const int64_t H = xv.hidden, rows = xv.rows, P = next_pow2(H);
   const T* x = xv.t.data_ptr<T>();
@@ -76,6 +76,7 @@ void forward_impl(const Opts& o, const RowView& xv, const RowView* rv, const flo
       }
       std::fill(buf.begin() + H, buf.end(), 0.0f);
       const float rstd = rstd_from_ss(tree_fold(buf.data(), P), H, o.eps32);
+      if (rstd_out != nullptr) rstd_out[row] = rstd;
       T* yr = y + row * H;
       if (o.op == OP_GATED) {
         for (int64_t i = 0; i < H; ++i) {
@@ -134,7 +135,8 @@ at::Tensor row_tree(at::Tensor contrib) {
 // per-row dweight contributions (rows, H).
 template <typename T>
 at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, const RowView* rv,
-                         const RowView* dresv, const float* w, T* dx, T* d2) {
+                         const RowView* dresv, const float* w, T* dx, T* d2,
+                         const float* rstd_in) {
   using IO = HostIO<T>;
   const int64_t H = xv.hidden, rows = xv.rows, P = next_pow2(H);
   at::Tensor contrib = at::empty({rows, H}, xv.t.options().dtype(at::kFloat));
@@ -159,7 +161,9 @@ at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, c
         buf[i] = mul(s[i], s[i]);
       }
       std::fill(buf.begin() + H, buf.end(), 0.0f);
-      const float rstd = rstd_from_ss(tree_fold(buf.data(), P), H, o.eps32);
+      // the forward's rstd where given (the same bits), else the row's
+      const float rstd =
+          rstd_in != nullptr ? rstd_in[row] : rstd_from_ss(tree_fold(buf.data(), P), H, o.eps32);
       float* cr = cb + row * H;
       T* d2r = d2 ? d2 + row * H : nullptr;
       for (int64_t i = 0; i < H; ++i) {
@@ -244,25 +248,39 @@ Opts make_opts(int op, const at::Tensor& x, const at::Tensor& w, double eps, dou
 at::Tensor new_rows(const at::Tensor& x) { return at::empty(x.sizes(), x.options()); }
 
 // ---- operators ---------------------------------------------------------------
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
-                        double offset) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps, double offset, bool with_rstd) {
   check_norm_args(x, {}, weight, eps, offset);
-  at::Tensor y = new_rows(x);
-  if (x.numel() == 0) return y;
+  at::Tensor y = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, rstd};
   const Opts o = make_opts(OP_RMS, x, weight, eps, offset, 0);
   const RowView xv = row_view(x);
   const at::Tensor w = weight_f32(weight);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    forward_impl<T>(o, xv, nullptr, w.data_ptr<float>(), y.data_ptr<T>(), nullptr);
+    forward_impl<T>(o, xv, nullptr, w.data_ptr<float>(), y.data_ptr<T>(), nullptr,
+                    rstd_ptr(rstd));
   });
-  return y;
+  return {y, rstd};
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
+                        double offset) {
+  return std::get<0>(rms_norm_impl(x, weight, eps, offset, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd_cpu(const at::Tensor& x,
+                                                          const at::Tensor& weight, double eps,
+                                                          double offset) {
+  return rms_norm_impl(x, weight, eps, offset, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& dy, const at::Tensor& x,
                                                          const at::Tensor& weight, double eps,
-                                                         double offset) {
+                                                         double offset,
+                                                         const c10::optional<at::Tensor>& rstd) {
   check_norm_args(x, {{"dy", dy}}, weight, eps, offset);
+  const float* given = given_rstd(rstd, x);
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
   const Opts o = make_opts(OP_RMS, x, weight, eps, offset, 0);
@@ -272,9 +290,27 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& dy, c
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     contrib = backward_impl<T>(o, dyv, xv, nullptr, nullptr, w.data_ptr<float>(),
-                               dx.data_ptr<T>(), nullptr);
+                               dx.data_ptr<T>(), nullptr, given);
   });
   return {dx, row_tree(contrib).to(weight.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_impl(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+    double offset, c10::string_view residual_sum, bool with_rstd) {
+  check_norm_args(x, {{"residual", residual}}, weight, eps, offset);
+  const bool rounded = parse_residual_sum(residual_sum);
+  at::Tensor y = new_rows(x), res = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, res, rstd};
+  const Opts o = make_opts(OP_FUSED, x, weight, eps, offset, rounded ? F_ROUNDED : 0);
+  const RowView xv = row_view(x), rv = row_view(residual);
+  const at::Tensor w = weight_f32(weight);
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    forward_impl<T>(o, xv, &rv, w.data_ptr<float>(), y.data_ptr<T>(), res.data_ptr<T>(),
+                    rstd_ptr(rstd));
+  });
+  return {y, res, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x,
@@ -282,27 +318,24 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cpu(const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
                                                           double offset,
                                                           c10::string_view residual_sum) {
-  check_norm_args(x, {{"residual", residual}}, weight, eps, offset);
-  const bool rounded = parse_residual_sum(residual_sum);
-  at::Tensor y = new_rows(x), res = new_rows(x);
-  if (x.numel() == 0) return {y, res};
-  const Opts o = make_opts(OP_FUSED, x, weight, eps, offset, rounded ? F_ROUNDED : 0);
-  const RowView xv = row_view(x), rv = row_view(residual);
-  const at::Tensor w = weight_f32(weight);
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    forward_impl<T>(o, xv, &rv, w.data_ptr<float>(), y.data_ptr<T>(), res.data_ptr<T>());
-  });
-  return {y, res};
+  auto out = fused_add_rms_norm_impl(x, residual, weight, eps, offset, residual_sum, false);
+  return {std::get<0>(out), std::get<1>(out)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_with_rstd_cpu(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+    double offset, c10::string_view residual_sum) {
+  return fused_add_rms_norm_impl(x, residual, weight, eps, offset, residual_sum, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
     const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
     const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
-    c10::string_view residual_sum) {
+    c10::string_view residual_sum, const c10::optional<at::Tensor>& rstd) {
   check_norm_args(x, {{"residual", residual}, {"dy", dy}, {"dresidual_out", dresidual_out}},
                   weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
+  const float* given = given_rstd(rstd, x);
   at::Tensor dx = new_rows(x), dres = new_rows(x);
   if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
   const Opts o = make_opts(OP_FUSED, x, weight, eps, offset, rounded ? F_ROUNDED : 0);
@@ -313,33 +346,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     contrib = backward_impl<T>(o, dyv, xv, &rv, &dresv, w.data_ptr<float>(), dx.data_ptr<T>(),
-                               dres.data_ptr<T>());
+                               dres.data_ptr<T>(), given);
   });
   return {dx, dres, row_tree(contrib).to(weight.scalar_type())};
 }
 
-at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& gate,
-                              const at::Tensor& weight, double eps, c10::string_view convention,
-                              c10::string_view activation) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_gated_impl(const at::Tensor& x,
+                                                       const at::Tensor& gate,
+                                                       const at::Tensor& weight, double eps,
+                                                       c10::string_view convention,
+                                                       c10::string_view activation,
+                                                       bool with_rstd) {
   check_rows_weight_eps(x, {{"gate", gate}}, weight, eps);
   const int extra = gated_flags(convention, activation);
-  at::Tensor y = new_rows(x);
-  if (x.numel() == 0) return y;
+  at::Tensor y = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, rstd};
   const Opts o = make_opts(OP_GATED, x, weight, eps, 0.0, extra);
   const RowView xv = row_view(x), gv = row_view(gate);
   const at::Tensor w = weight_f32(weight);
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    forward_impl<T>(o, xv, &gv, w.data_ptr<float>(), y.data_ptr<T>(), nullptr);
+    forward_impl<T>(o, xv, &gv, w.data_ptr<float>(), y.data_ptr<T>(), nullptr, rstd_ptr(rstd));
   });
-  return y;
+  return {y, rstd};
+}
+
+at::Tensor rms_norm_gated_cpu(const at::Tensor& x, const at::Tensor& gate,
+                              const at::Tensor& weight, double eps, c10::string_view convention,
+                              c10::string_view activation) {
+  return std::get<0>(rms_norm_gated_impl(x, gate, weight, eps, convention, activation, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_gated_with_rstd_cpu(
+    const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps,
+    c10::string_view convention, c10::string_view activation) {
+  return rms_norm_gated_impl(x, gate, weight, eps, convention, activation, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cpu(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
-    double eps, c10::string_view convention, c10::string_view activation) {
+    double eps, c10::string_view convention, c10::string_view activation,
+    const c10::optional<at::Tensor>& rstd) {
   check_rows_weight_eps(x, {{"gate", gate}, {"dy", dy}}, weight, eps);
   const int extra = gated_flags(convention, activation);
+  const float* given = given_rstd(rstd, x);
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
   const Opts o = make_opts(OP_GATED, x, weight, eps, 0.0, extra);
@@ -349,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cpu(
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     contrib = backward_impl<T>(o, dyv, xv, &gv, nullptr, w.data_ptr<float>(), dx.data_ptr<T>(),
-                               dgate.data_ptr<T>());
+                               dgate.data_ptr<T>(), given);
   });
   return {dx, dgate, row_tree(contrib).to(weight.scalar_type())};
 }
@@ -359,6 +409,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cpu(
 
 TORCH_LIBRARY_IMPL(normspec, CPU, m) {
   m.impl("rms_norm", &normspec::rms_norm_cpu);
+  m.impl("rms_norm_with_rstd", &normspec::rms_norm_with_rstd_cpu);
+  m.impl("fused_add_rms_norm_with_rstd", &normspec::fused_add_rms_norm_with_rstd_cpu);
+  m.impl("rms_norm_gated_with_rstd", &normspec::rms_norm_gated_with_rstd_cpu);
   m.impl("rms_norm_backward", &normspec::rms_norm_backward_cpu);
   m.impl("fused_add_rms_norm", &normspec::fused_add_rms_norm_cpu);
   m.impl("fused_add_rms_norm_backward", &normspec::fused_add_rms_norm_backward_cpu);

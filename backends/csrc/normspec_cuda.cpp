@@ -104,30 +104,45 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
 }
 
 // ---- operators -------------------------------------------------------------------
-at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
-                         double offset) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps, double offset, bool with_rstd) {
   check_norm_args(x, {}, weight, eps, offset);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = new_rows(x);
-  if (x.numel() == 0) return y;
+  at::Tensor y = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, rstd};
   const RowView xv = row_view(x);
   LaunchArgs a = base_args(xv, eps, offset, base_flags(x, weight, offset));
   a.y = y.data_ptr();
   a.sy = xv.hidden;
+  a.rstd_out = rstd_ptr(rstd);
   forward(OP_RMS, x, weight, a);
-  return y;
+  return {y, rstd};
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         double offset) {
+  return std::get<0>(rms_norm_impl(x, weight, eps, offset, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd_cuda(const at::Tensor& x,
+                                                           const at::Tensor& weight, double eps,
+                                                           double offset) {
+  return rms_norm_impl(x, weight, eps, offset, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
                                                           const at::Tensor& x,
                                                           const at::Tensor& weight, double eps,
-                                                          double offset) {
+                                                          double offset,
+                                                          const c10::optional<at::Tensor>& rstd) {
   check_norm_args(x, {{"dy", dy}}, weight, eps, offset);
+  const float* given = given_rstd(rstd, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
   const RowView xv = row_view(x), dyv = row_view(dy);
   LaunchArgs a = base_args(xv, eps, offset, base_flags(x, weight, offset));
+  a.rstd_in = given;
   a.dy = dyv.t.data_ptr();
   a.sdy = dyv.stride;
   a.y = dx.data_ptr();
@@ -136,16 +151,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
   return {dx, dw};
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
-                                                           const at::Tensor& residual,
-                                                           const at::Tensor& weight, double eps,
-                                                           double offset,
-                                                           c10::string_view residual_sum) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_impl(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+    double offset, c10::string_view residual_sum, bool with_rstd) {
   check_norm_args(x, {{"residual", residual}}, weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = new_rows(x), res = new_rows(x);
-  if (x.numel() == 0) return {y, res};
+  at::Tensor y = new_rows(x), res = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, res, rstd};
   const RowView xv = row_view(x), rv = row_view(residual);
   LaunchArgs a = base_args(xv, eps, offset,
                            base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
@@ -155,17 +168,34 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
   a.sy = xv.hidden;
   a.y2 = res.data_ptr();
   a.sy2 = xv.hidden;
+  a.rstd_out = rstd_ptr(rstd);
   forward(OP_FUSED, x, weight, a);
-  return {y, res};
+  return {y, res, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_cuda(const at::Tensor& x,
+                                                           const at::Tensor& residual,
+                                                           const at::Tensor& weight, double eps,
+                                                           double offset,
+                                                           c10::string_view residual_sum) {
+  auto out = fused_add_rms_norm_impl(x, residual, weight, eps, offset, residual_sum, false);
+  return {std::get<0>(out), std::get<1>(out)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_with_rstd_cuda(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+    double offset, c10::string_view residual_sum) {
+  return fused_add_rms_norm_impl(x, residual, weight, eps, offset, residual_sum, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
     const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
     const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
-    c10::string_view residual_sum) {
+    c10::string_view residual_sum, const c10::optional<at::Tensor>& rstd) {
   check_norm_args(x, {{"residual", residual}, {"dy", dy}, {"dresidual_out", dresidual_out}},
                   weight, eps, offset);
   const bool rounded = parse_residual_sum(residual_sum);
+  const float* given = given_rstd(rstd, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x), dres = new_rows(x);
   if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
@@ -183,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
   a.sy = xv.hidden;
   a.y2 = dres.data_ptr();
   a.sy2 = xv.hidden;
+  a.rstd_in = given;
   at::Tensor dw = backward(OP_FUSED, x, weight, a);
   return {dx, dres, dw};
 }
@@ -192,29 +223,47 @@ int gated_launch_flags(const at::Tensor& x, const at::Tensor& weight, c10::strin
   return base_flags(x, weight, 0.0) | gated_flags(convention, activation);
 }
 
-at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
-                               const at::Tensor& weight, double eps, c10::string_view convention,
-                               c10::string_view activation) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_gated_impl(const at::Tensor& x,
+                                                       const at::Tensor& gate,
+                                                       const at::Tensor& weight, double eps,
+                                                       c10::string_view convention,
+                                                       c10::string_view activation,
+                                                       bool with_rstd) {
   check_rows_weight_eps(x, {{"gate", gate}}, weight, eps);
   const int flags = gated_launch_flags(x, weight, convention, activation);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = new_rows(x);
-  if (x.numel() == 0) return y;
+  at::Tensor y = new_rows(x), rstd = rstd_if(with_rstd, x);
+  if (x.numel() == 0) return {y, rstd};
   const RowView xv = row_view(x), gv = row_view(gate);
   LaunchArgs a = base_args(xv, eps, 0.0, flags);
   a.r = gv.t.data_ptr();
   a.sr = gv.stride;
   a.y = y.data_ptr();
   a.sy = xv.hidden;
+  a.rstd_out = rstd_ptr(rstd);
   forward(OP_GATED, x, weight, a);
-  return y;
+  return {y, rstd};
+}
+
+at::Tensor rms_norm_gated_cuda(const at::Tensor& x, const at::Tensor& gate,
+                               const at::Tensor& weight, double eps, c10::string_view convention,
+                               c10::string_view activation) {
+  return std::get<0>(rms_norm_gated_impl(x, gate, weight, eps, convention, activation, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_gated_with_rstd_cuda(
+    const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps,
+    c10::string_view convention, c10::string_view activation) {
+  return rms_norm_gated_impl(x, gate, weight, eps, convention, activation, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight,
-    double eps, c10::string_view convention, c10::string_view activation) {
+    double eps, c10::string_view convention, c10::string_view activation,
+    const c10::optional<at::Tensor>& rstd) {
   check_rows_weight_eps(x, {{"gate", gate}, {"dy", dy}}, weight, eps);
   const int flags = gated_launch_flags(x, weight, convention, activation);
+  const float* given = given_rstd(rstd, x);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
@@ -228,6 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
   a.sy = xv.hidden;
   a.y2 = dgate.data_ptr();
   a.sy2 = xv.hidden;
+  a.rstd_in = given;
   at::Tensor dw = backward(OP_GATED, x, weight, a);
   return {dx, dgate, dw};
 }
@@ -237,6 +287,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
 
 TORCH_LIBRARY_IMPL(normspec, CUDA, m) {
   m.impl("rms_norm", &normspec::rms_norm_cuda);
+  m.impl("rms_norm_with_rstd", &normspec::rms_norm_with_rstd_cuda);
+  m.impl("fused_add_rms_norm_with_rstd", &normspec::fused_add_rms_norm_with_rstd_cuda);
+  m.impl("rms_norm_gated_with_rstd", &normspec::rms_norm_gated_with_rstd_cuda);
   m.impl("rms_norm_backward", &normspec::rms_norm_backward_cuda);
   m.impl("fused_add_rms_norm", &normspec::fused_add_rms_norm_cuda);
   m.impl("fused_add_rms_norm_backward", &normspec::fused_add_rms_norm_backward_cuda);

@@ -150,4 +150,34 @@ inline at::Tensor weight_f32(const at::Tensor& w) { return w.to(at::kFloat).cont
 // Flags from the operator options.
 inline int rms_flags(double offset) { return offset != 0.0 ? F_OFFSET : 0; }
 
+// rstd of every row as the *_with_rstd forwards return it: fp32, the shape of
+// x without its last dimension (the spec's bits; 4 bytes a row).
+inline at::Tensor new_rstd(const at::Tensor& x) {
+  return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+}
+// new_rstd(x) when `with_rstd`, else an undefined tensor.
+inline at::Tensor rstd_if(bool with_rstd, const at::Tensor& x) {
+  return with_rstd ? new_rstd(x) : at::Tensor();
+}
+// Where a forward writes rstd: nullptr when not wanted (or no rows).
+inline float* rstd_ptr(const at::Tensor& rstd) {
+  return rstd.defined() && rstd.numel() > 0 ? rstd.data_ptr<float>() : nullptr;
+}
+
+// The rstd a backward operator was given (nullptr: none, recompute it): fp32,
+// contiguous, one value per row of x, on x's device.
+inline const float* given_rstd(const c10::optional<at::Tensor>& rstd, const at::Tensor& x) {
+  if (!rstd.has_value() || !rstd->defined()) return nullptr;
+  const at::Tensor& r = *rstd;
+  TORCH_CHECK(r.scalar_type() == at::kFloat, "rstd: expected dtype float32, got ",
+              r.scalar_type());
+  TORCH_CHECK(r.sizes() == x.sizes().slice(0, x.dim() - 1),
+              "rstd: expected the shape of x without its last dimension, ",
+              x.sizes().slice(0, x.dim() - 1), ", got ", r.sizes());
+  TORCH_CHECK(r.is_contiguous(), "rstd: expected a contiguous tensor");
+  TORCH_CHECK(r.device() == x.device(), "rstd: expected the device of x, ", x.device(),
+              ", got ", r.device());
+  return r.data_ptr<float>();
+}
+
 }  // namespace normspec

@@ -428,7 +428,8 @@ __global__ void __launch_bounds__(1024)
     normspec_fwd_kernel(const T* __restrict__ x, const T* __restrict__ r,
                         const float* __restrict__ w, T* __restrict__ y, T* __restrict__ y2,
                         long long rows, long long H, long long sx, long long sr, long long sy,
-                        long long sy2, float eps, float offset, int flags) {
+                        long long sy2, float eps, float offset, int flags,
+                        float* __restrict__ rstd_out = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   __shared__ float red[2][NP * 32];
@@ -458,6 +459,7 @@ __global__ void __launch_bounds__(1024)
     team_reduce<NP, VEC>(part, P, red[buf]);
     buf ^= 1;
     const float rstd = rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
+    if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
     T* yr = y + row * sy;
     T* y2r = (OP == OP_FUSED) ? y2 + row * sy2 : nullptr;
 #pragma unroll
@@ -477,7 +479,7 @@ __global__ void __launch_bounds__(1024)
                                const float* __restrict__ w, T* __restrict__ y,
                                T* __restrict__ y2, long long rows, long long H, long long sx,
                                long long sr, long long sy, long long sy2, float eps, float offset,
-                               int flags) {
+                               int flags, float* __restrict__ rstd_out = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   __shared__ float red[2][32];
@@ -505,6 +507,7 @@ __global__ void __launch_bounds__(1024)
       total = stack_push(stk, j, part[0]);
     }
     const float rstd = rstd_from_ss(total, H, eps);
+    if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
     T* yr = y + row * sy;
     T* y2r = (OP == OP_FUSED) ? y2 + row * sy2 : nullptr;
     for (long long col = tcol; col < H; col += S) {

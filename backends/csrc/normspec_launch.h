@@ -25,6 +25,11 @@ struct LaunchArgs {
   // kernels read it instead of w where reads_weight_in_input_dtype() says so,
   // so no fp32 copy (and no extra kernel launch) is needed; w may then be null.
   const void* w_in_dtype = nullptr;
+  // rstd of every row (fp32, contiguous, `rows` values; the spec's bits): written
+  // by the forward where rstd_out is set, read by the pipelined backward from
+  // rstd_in where set (the other backward kernels recompute it: the same bits).
+  float* rstd_out = nullptr;
+  const float* rstd_in = nullptr;
   long long rows = 0, H = 0, sx = 0, sr = 0, sdy = 0, sdres = 0, sy = 0, sy2 = 0;
   float eps = 0.f, offset = 0.f;
   int flags = 0;  // normspec::Flags; F_ALIGNED is set by the launcher

@@ -14,6 +14,8 @@
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
+//   NORMSPEC_SAVED_RSTD=0  (the backward recomputes rstd instead of reading the
+//                           forward's, a.rstd_in)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -242,6 +244,19 @@ inline bool full_row_forms_enabled() {
   return on;
 }
 
+// NORMSPEC_SAVED_RSTD=0: the pipelined backward recomputes rstd even where the
+// forward's is given (a.rstd_in; default: it reads the given one). Same bits.
+inline bool saved_rstd_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_SAVED_RSTD");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return on;
+}
+inline const float* saved_rstd(const LaunchArgs& a) {
+  return saved_rstd_enabled() ? a.rstd_in : nullptr;
+}
+
 // The one-row-per-team forward: by default four vectors per thread for the rms
 // norm and two for the ops that read two row tensors (H200,
 // bench/micro/fwd_variants.cu, H = 2048 bf16: rms 64 x 4 72.1 us against 76.3 for
@@ -419,7 +434,7 @@ void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream
   kernel<<<grid, g.block(), smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
-      g.team_log);
+      g.team_log, a.rstd_out);
 }
 
 // The persistent forward. Gate-table launches of rows that fill the team
@@ -450,7 +465,7 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, g.block(), 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
-      g.team_log);
+      g.team_log, a.rstd_out);
 }
 
 // The constant-geometry form for teams of 2**TL..256 threads, else the general one.
@@ -501,7 +516,7 @@ void launch_bwd_pipe(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStre
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<const T*>(a.dy),
       static_cast<const T*>(a.dres), static_cast<T*>(a.y), static_cast<T*>(a.y2), ws, a.rows,
       a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2, a.eps, a.offset, a.flags, plan.team_log,
-      plan.glog);
+      plan.glog, saved_rstd(a));
 }
 
 // Full rows (H = NP * VEC * 2**team_log) of the common default geometries run the
@@ -570,7 +585,7 @@ void forward_t(const LaunchArgs& a, cudaStream_t stream) {
   T* y = static_cast<T*>(a.y);
   T* y2 = static_cast<T*>(a.y2);
 #define NS_FWD_ARGS \
-  x, r, a.w, y, y2, a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags
+  x, r, a.w, y, y2, a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags, a.rstd_out
   switch (g.np) {
     case 1:
       normspec_fwd_kernel<OP, T, 1><<<grid, block, 0, stream>>>(NS_FWD_ARGS);

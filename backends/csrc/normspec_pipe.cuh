@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(256)
                              const void* __restrict__ w, T* __restrict__ y,
                              T* __restrict__ y2, long long rows, long long H_arg, long long sx,
                              long long sr, long long sy, long long sy2, float eps, float offset,
-                             int flags, int team_log_arg) {
+                             int flags, int team_log_arg, float* __restrict__ rstd_out = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;  // a second row tensor (residual / gate)
@@ -537,6 +537,7 @@ __global__ void __launch_bounds__(256)
         row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
     buf ^= 1;
     if (row < rows) {
+      if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = p * S + tcol;
@@ -571,7 +572,7 @@ __global__ void __launch_bounds__(256)
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
                             long long sr, long long sy, long long sy2, float eps, float offset,
-                            int flags, int team_log_arg) {
+                            int flags, int team_log_arg, float* __restrict__ rstd_out = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;
@@ -598,6 +599,7 @@ __global__ void __launch_bounds__(256)
   // a team past the last row still joins the shuffles (and the barrier)
   const float rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
+  if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
     const int col = p * S + tcol;
@@ -638,7 +640,8 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
                              T* __restrict__ d2, float* __restrict__ ws, long long rows,
                              long long H_arg, long long sx, long long sr, long long sdy,
                              long long sdres, long long sdx, long long sd2, float eps,
-                             float offset, int flags, int team_log_arg, int glog) {
+                             float offset, int flags, int team_log_arg, int glog,
+                             const float* __restrict__ rstd_in = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr int Q = VEC / 4;  // float4 per vector
@@ -667,7 +670,10 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const bool saved = rstd_in != nullptr;  // the forward's rstd (the same bits)
+  float nrs = 1.0f;
   auto prefetch = [&](long long row) {
+    if (saved) nrs = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
@@ -704,10 +710,13 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
         cdy[p] = active ? ndy[p] : zero;
         cdr[p] = active ? ndr[p] : zero;
       }
+      const float crs = active ? nrs : 1.0f;
       if (nactive) prefetch(nrow);
 
+      // the saved rstd, or the row's reduction (inactive rows: any finite value)
       const float rstd =
-          row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
+          saved ? crs
+                : row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
       buf ^= 1;
       float part[NP];
 

@@ -30,7 +30,18 @@ same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..5);
 * ``NORMSPEC_GATE_TABLE=0``: no activation table (every gate evaluated);
 * ``NORMSPEC_FULL_ROW=0``: no constant-geometry kernels (the general ones also
-  for rows that fill the team exactly).
+  for rows that fill the team exactly);
+* ``NORMSPEC_SAVED_RSTD=0``: the pipelined backward recomputes rstd even where the
+  forward's is given.
+
+The saved rstd. When autograd records a call (grad enabled and an input that
+requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
+which also return rstd (fp32, one value per row, 4 bytes a row), and the
+backward operators receive it (their optional last argument ``rstd``). The
+spec fixes rstd's bits, so reading it gives the same gradients as recomputing
+it; the pipelined CUDA backward then skips the row's first reduction, its square
+root and division (and a barrier per row for teams of more than one warp).
+Without autograd the plain forward runs and no rstd is written.
 
 Python API (validation errors are the spec's):
 

@@ -36,6 +36,12 @@ def _ensure() -> None:
         _build.build(verbose=False)
 
 
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record this call: then the ``*_with_rstd`` forward runs,
+    so that the backward reads the forward's rstd instead of recomputing it."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 # ---- public operators ---------------------------------------------------------
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0
@@ -50,6 +56,8 @@ def rms_norm(
     eps = check_eps(eps)
     offset = check_offset(offset)
     _ensure()
+    if _wants_grad(x, weight):
+        return torch.ops.normspec.rms_norm_with_rstd(x, weight, eps, offset)[0]
     return torch.ops.normspec.rms_norm(x, weight, eps, offset)
 
 
@@ -74,6 +82,11 @@ def fused_add_rms_norm(
     offset = check_offset(offset)
     residual_sum = check_choice("residual_sum", residual_sum, RESIDUAL_SUMS)
     _ensure()
+    if _wants_grad(x, residual, weight):
+        y, new_residual, _ = torch.ops.normspec.fused_add_rms_norm_with_rstd(
+            x, residual, weight, eps, offset, residual_sum
+        )
+        return y, new_residual
     return torch.ops.normspec.fused_add_rms_norm(x, residual, weight, eps, offset, residual_sum)
 
 
@@ -96,6 +109,10 @@ def rms_norm_gated(
     convention = check_choice("convention", convention, GATED_CONVENTIONS)
     activation = check_choice("activation", activation, ACTIVATIONS)
     _ensure()
+    if _wants_grad(x, gate, weight):
+        return torch.ops.normspec.rms_norm_gated_with_rstd(
+            x, gate, weight, eps, convention, activation
+        )[0]
     return torch.ops.normspec.rms_norm_gated(x, gate, weight, eps, convention, activation)
 
 
@@ -104,11 +121,19 @@ def _rows_like(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
+def _rstd_like(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 def _fake_rms_norm(x, weight, eps, offset):
     return _rows_like(x)
 
 
-def _fake_rms_norm_backward(dy, x, weight, eps, offset):
+def _fake_rms_norm_with_rstd(x, weight, eps, offset):
+    return _rows_like(x), _rstd_like(x)
+
+
+def _fake_rms_norm_backward(dy, x, weight, eps, offset, rstd=None):
     return _rows_like(x), weight.new_empty(weight.shape)
 
 
@@ -116,7 +141,12 @@ def _fake_fused(x, residual, weight, eps, offset, residual_sum):
     return _rows_like(x), _rows_like(x)
 
 
-def _fake_fused_backward(dy, dresidual_out, x, residual, weight, eps, offset, residual_sum):
+def _fake_fused_with_rstd(x, residual, weight, eps, offset, residual_sum):
+    return _rows_like(x), _rows_like(x), _rstd_like(x)
+
+
+def _fake_fused_backward(dy, dresidual_out, x, residual, weight, eps, offset, residual_sum,
+                         rstd=None):
     return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
 
 
@@ -124,56 +154,82 @@ def _fake_gated(x, gate, weight, eps, convention, activation):
     return _rows_like(x)
 
 
-def _fake_gated_backward(dy, x, gate, weight, eps, convention, activation):
+def _fake_gated_with_rstd(x, gate, weight, eps, convention, activation):
+    return _rows_like(x), _rstd_like(x)
+
+
+def _fake_gated_backward(dy, x, gate, weight, eps, convention, activation, rstd=None):
     return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
 
 
 # ---- autograd: the spec's declared backward through the backward operators ------
+# The plain forwards save their inputs and the backward recomputes rstd; the
+# *_with_rstd forwards also save rstd (fp32, one value per row, the spec's bits),
+# which the backward operators then read instead. rstd itself gets no gradient.
 def _grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g
 
 
-def _setup_rms(ctx, inputs, output):
+def _saved_rstd(ctx, output) -> torch.Tensor | None:
+    """rstd, the last output of a ``*_with_rstd`` forward (None for the plain forwards)."""
+    if not ctx.with_rstd:
+        return None
+    rstd = output[-1]
+    ctx.mark_non_differentiable(rstd)
+    return rstd
+
+
+def _setup_rms(ctx, inputs, output, with_rstd=False):
     x, weight, eps, offset = inputs
-    ctx.save_for_backward(x, weight)
+    ctx.with_rstd = with_rstd
+    ctx.save_for_backward(x, weight, _saved_rstd(ctx, output))
     ctx.eps, ctx.offset = eps, offset
 
 
-def _backward_rms(ctx, dy):
-    x, weight = ctx.saved_tensors
+def _backward_rms(ctx, dy, _drstd=None):
+    x, weight, rstd = ctx.saved_tensors
     dx, dweight = torch.ops.normspec.rms_norm_backward(
-        _grad(dy, x), x, weight, ctx.eps, ctx.offset
+        _grad(dy, x), x, weight, ctx.eps, ctx.offset, rstd
     )
     return dx, dweight, None, None
 
 
-def _setup_fused(ctx, inputs, output):
+def _setup_fused(ctx, inputs, output, with_rstd=False):
     x, residual, weight, eps, offset, residual_sum = inputs
-    ctx.save_for_backward(x, residual, weight)
+    ctx.with_rstd = with_rstd
+    ctx.save_for_backward(x, residual, weight, _saved_rstd(ctx, output))
     ctx.eps, ctx.offset, ctx.residual_sum = eps, offset, residual_sum
 
 
-def _backward_fused(ctx, dy, dresidual_out):
-    x, residual, weight = ctx.saved_tensors
+def _backward_fused(ctx, dy, dresidual_out, _drstd=None):
+    x, residual, weight, rstd = ctx.saved_tensors
     dx, dresidual, dweight = torch.ops.normspec.fused_add_rms_norm_backward(
         _grad(dy, x), _grad(dresidual_out, x), x, residual, weight,
-        ctx.eps, ctx.offset, ctx.residual_sum,
+        ctx.eps, ctx.offset, ctx.residual_sum, rstd,
     )
     return dx, dresidual, dweight, None, None, None
 
 
-def _setup_gated(ctx, inputs, output):
+def _setup_gated(ctx, inputs, output, with_rstd=False):
     x, gate, weight, eps, convention, activation = inputs
-    ctx.save_for_backward(x, gate, weight)
+    ctx.with_rstd = with_rstd
+    ctx.save_for_backward(x, gate, weight, _saved_rstd(ctx, output))
     ctx.eps, ctx.convention, ctx.activation = eps, convention, activation
 
 
-def _backward_gated(ctx, dy):
-    x, gate, weight = ctx.saved_tensors
+def _backward_gated(ctx, dy, _drstd=None):
+    x, gate, weight, rstd = ctx.saved_tensors
     dx, dgate, dweight = torch.ops.normspec.rms_norm_gated_backward(
-        _grad(dy, x), x, gate, weight, ctx.eps, ctx.convention, ctx.activation
+        _grad(dy, x), x, gate, weight, ctx.eps, ctx.convention, ctx.activation, rstd
     )
     return dx, dgate, dweight, None, None, None
+
+
+def _with_rstd(setup):
+    def setup_with_rstd(ctx, inputs, output):
+        setup(ctx, inputs, output, with_rstd=True)
+
+    return setup_with_rstd
 
 
 def _register_python_parts() -> None:
@@ -188,9 +244,23 @@ def _register_python_parts() -> None:
     lib.register_fake("normspec::fused_add_rms_norm_backward", _fake_fused_backward)
     lib.register_fake("normspec::rms_norm_gated", _fake_gated)
     lib.register_fake("normspec::rms_norm_gated_backward", _fake_gated_backward)
+    lib.register_fake("normspec::rms_norm_with_rstd", _fake_rms_norm_with_rstd)
+    lib.register_fake("normspec::fused_add_rms_norm_with_rstd", _fake_fused_with_rstd)
+    lib.register_fake("normspec::rms_norm_gated_with_rstd", _fake_gated_with_rstd)
     lib.register_autograd("normspec::rms_norm", _backward_rms, setup_context=_setup_rms)
     lib.register_autograd(
         "normspec::fused_add_rms_norm", _backward_fused, setup_context=_setup_fused
     )
     lib.register_autograd("normspec::rms_norm_gated", _backward_gated, setup_context=_setup_gated)
+    lib.register_autograd(
+        "normspec::rms_norm_with_rstd", _backward_rms, setup_context=_with_rstd(_setup_rms)
+    )
+    lib.register_autograd(
+        "normspec::fused_add_rms_norm_with_rstd", _backward_fused,
+        setup_context=_with_rstd(_setup_fused),
+    )
+    lib.register_autograd(
+        "normspec::rms_norm_gated_with_rstd", _backward_gated,
+        setup_context=_with_rstd(_setup_gated),
+    )
     _registered = True

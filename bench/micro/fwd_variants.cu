@@ -153,7 +153,7 @@ static void launch_pipe(const Case& c, const Buffers& b, int team_log, bool pers
                               : need;
   kernel<<<static_cast<unsigned>(grid), block, smem>>>(b.x, b.r, b.w, b.y, b.y2, c.rows, c.H,
                                                        c.H, c.H, c.H, c.H, eps, offset, flags,
-                                                       team_log);
+                                                       team_log, nullptr);
 }
 
 template <int OP, int TL, int NP, int K, bool LDCS>
