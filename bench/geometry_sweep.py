@@ -6,6 +6,8 @@ streaming kernels instead of the pipelined ones), ``NORMSPEC_FWD_ROW`` (``0``: t
 persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``: the
 gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
 (``0``: the general-geometry kernels also where a constant-geometry form exists)
+and ``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
+forward's)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -25,7 +27,8 @@ reported, not fatal. Runtime on an H200: about 2-3 minutes (plus the build
 when the sources changed).
 
 Usage: ``python bench/geometry_sweep.py [--fwd 64,128,256,512,1024] [--bwd 64,128,256]
-[--glog 2,3,4,5] [--teams 4,8,16,64] [--out bench/results/sweeps/geometry_sweep.json]``
+[--glog 2,3,4,5] [--teams 4,8,16,64] [--only default,rstd=0]
+[--out bench/results/sweeps/geometry_sweep.json]``
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ import torch
 EPS = 1e-6
 BF16 = torch.bfloat16
 ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
-            "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW")
+            "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW",
+            "NORMSPEC_SAVED_RSTD")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -277,7 +281,8 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
            {"name": "pipe=0", "env": {"NORMSPEC_PIPE": "0"}, "parts": both},
            {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both},
            {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]},
-           {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both}]
+           {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both},
+           {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]}]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
                                           "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
             for t in teams]
@@ -396,6 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values")
     p.add_argument("--teams", default="", help="values for both NORMSPEC_FWD_TEAM and "
                    "NORMSPEC_BWD_TEAM (1..256 reach the pipelined kernels)")
+    p.add_argument("--only", default="", help="run only these candidates (comma-separated "
+                   "names, e.g. default,rstd=0)")
     p.add_argument("--timeout", type=float, default=150.0, help="per candidate, seconds")
     p.add_argument("--out", default="bench/results/sweeps/geometry_sweep.json")
     args = p.parse_args(argv)
@@ -415,8 +422,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="normspec_sweep_") as tmp:
         refdir = Path(tmp)
         build_references(refdir)
+        only = {n for n in args.only.split(",") if n}
         for cand in candidates(parse_list(args.fwd), parse_list(args.bwd),
                                parse_list(args.glog), parse_list(args.teams)):
+            if only and cand["name"] not in only:
+                continue
             print(f"candidate {cand['name']} ...", file=sys.stderr, flush=True)
             res = run_child(cand, refdir, args.timeout)
             print(f"  {res.get('wall_s', 0):.0f} s" + (f"  ERROR {res['error']}"
