@@ -632,7 +632,9 @@ __global__ void __launch_bounds__(256)
 // FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL) with
 // teams of 2**FULL_TL threads, as for the one-row forward: the geometry is
 // constant and its predicates fold away.
-template <int OP, typename T, int NP, int FULL_TL = -1>
+// SAVED: rstd_in holds the forward's rstd of every row (the same bits as the
+// row's reduction, which this form leaves out); otherwise rstd_in is unused.
+template <int OP, typename T, int NP, int FULL_TL = -1, bool SAVED = false>
 __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, const T* __restrict__ dy,
@@ -670,10 +672,9 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
   const long long mine = tm.slot - tm.lead;
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  const bool saved = rstd_in != nullptr;  // the forward's rstd (the same bits)
-  float nrs = 1.0f;
+  float nrs = 1.0f;  // the next row's saved rstd
   auto prefetch = [&](long long row) {
-    if (saved) nrs = __ldg(rstd_in + row);
+    if constexpr (SAVED) nrs = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
@@ -714,9 +715,9 @@ __global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
       if (nactive) prefetch(nrow);
 
       // the saved rstd, or the row's reduction (inactive rows: any finite value)
-      const float rstd =
-          saved ? crs
-                : row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
+      float rstd = crs;
+      if constexpr (!SAVED)
+        rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
       buf ^= 1;
       float part[NP];
 
