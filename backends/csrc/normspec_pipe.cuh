@@ -634,8 +634,22 @@ __global__ void __launch_bounds__(256)
 // constant and its predicates fold away.
 // SAVED: rstd_in holds the forward's rstd of every row (the same bits as the
 // row's reduction, which this form leaves out); otherwise rstd_in is unused.
+//
+// The register budget (minimum resident 256-thread blocks): the saved-rstd
+// constant forms of 16-bit rows take more registers than the recomputing ones
+// (ptxas, bf16: fused 128 x 2 142 against 128, rms 32 x 1 79 against 61), which
+// would cost a block per SM; capped, they keep the recomputing forms' occupancy
+// without spills (two passes: 128 registers; the rms norm's one pass: 64). The
+// fused and gated one-pass forms would spill at 64, so they keep their budget.
+template <int OP, typename T, int NP, int FULL_TL, bool SAVED>
+constexpr int bwd_min_blocks() {
+  if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return NORMSPEC_BWD_MIN_BLOCKS;
+  if (NP == 2) return 2;
+  return OP == normspec::OP_RMS ? 4 : NORMSPEC_BWD_MIN_BLOCKS;
+}
+
 template <int OP, typename T, int NP, int FULL_TL = -1, bool SAVED = false>
-__global__ void __launch_bounds__(256, NORMSPEC_BWD_MIN_BLOCKS)
+__global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED>()))
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, const T* __restrict__ dy,
                              const T* __restrict__ dres, T* __restrict__ dx,
