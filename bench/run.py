@@ -20,12 +20,23 @@ close to a copy a kernel of this size can get.
 
 Bytes are the fewest a kernel must move: every row input read once, every
 row output written once (the weight and dweight are negligible at these
-sizes and not counted). Times are medians of CUDA-event timings
-(``triton.testing.do_bench``, return_mode="median"), taken in ``--rounds``
-interleaved rounds (every backend of a case once per round, round after round),
-so that a slow spell of a shared machine hits every backend alike; a row keeps
-the median over the rounds, every round's value and their spread
-((max - min) / median), and the table flags spreads over 10 %.
+sizes and not counted). Every call is timed two ways, both after an L2 flush:
+
+* ``us`` (the table's *call* column): CUDA-event timing with
+  ``triton.testing.do_bench`` (return_mode="median"). Its start event runs as
+  soon as the flush ends, so wherever the host needs longer than the flush to
+  launch the call (Python, dispatch, the autograd engine: every backward here),
+  the host's gap counts as GPU time.
+* ``device_us`` (*dev*): the same call with a sleep kernel between the flush
+  and the start event, long enough for the host to enqueue the whole call
+  first: the GPU's time alone. ``host_us`` is how long enqueueing took. TB/s
+  and the copy fraction are printed from this time.
+
+Each timing is taken in ``--rounds`` interleaved rounds (every backend of a
+case once per round, round after round), so that a slow spell of a shared
+machine hits every backend alike; a row keeps the median over the rounds,
+every round's call time and the spreads ((max - min) / median), and the
+table flags spreads over 10 %.
 
 Usage: ``python bench/run.py [--quick] [--rounds 3] [--out bench/results]``
 """
@@ -43,6 +54,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_timing import HIDE_HOST_MS, device_us
+
+#: Whether time_call also takes the device timing (off without CUDA and by --no-device-time).
+DEVICE_TIMING = True
 EPS = 1e-6
 BF16 = torch.bfloat16
 
@@ -59,8 +75,18 @@ def bench_ms(fn: Callable[[], object], rep: float = REP_MS) -> float:
     return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
+def time_call(fn: Callable[[], object], rep: float) -> tuple[float, float | None, float | None]:
+    """(do_bench milliseconds, device microseconds, host microseconds); the last two are
+    None where device timing is off."""
+    ms = bench_ms(fn, rep)
+    if not DEVICE_TIMING or not torch.cuda.is_available():
+        return ms, None, None
+    dev, host = device_us(fn, rep, HIDE_HOST_MS)
+    return ms, dev, host
+
+
 def interleaved_rounds(jobs: dict, rounds: int) -> tuple[dict, dict]:
-    """Run every job (a callable returning milliseconds) once per round, in the
+    """Run every job (a callable returning a timing) once per round, in the
     same order each round: a, b, c, a, b, c, ... Returns ``(times, errors)``:
     each job's list of times and, for a job that raised, its error (the job is
     not run again)."""
@@ -71,7 +97,7 @@ def interleaved_rounds(jobs: dict, rounds: int) -> tuple[dict, dict]:
             if key in errors:
                 continue
             try:
-                times[key].append(float(job()))
+                times[key].append(job())
             except Exception as exc:
                 errors[key] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc(file=sys.stderr)
@@ -101,7 +127,7 @@ def _copy_job(nbytes: int, device: str, rep: float) -> Callable[[], float]:
         if not state:
             state["src"] = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device=device)
             state["dst"] = torch.empty_like(state["src"])
-        return bench_ms(lambda: state["dst"].copy_(state["src"]), rep)
+        return time_call(lambda: state["dst"].copy_(state["src"]), rep)
 
     return job
 
@@ -238,6 +264,10 @@ def _first(out):
 OP_NAMES = {"norm": "rms_norm", "fused": "fused_add_rms_norm", "gated": "rms_norm_gated"}
 
 
+#: The device timing's fields of a row (see device_us), kept where measured.
+DEVICE_KEYS = ("device_us", "device_tbps", "device_copy_fraction", "device_spread", "host_us")
+
+
 def split_directions(row: dict) -> list[dict]:
     """One result row per direction, in the schema docs_gen/bench.py renders."""
     out = []
@@ -251,6 +281,8 @@ def split_directions(row: dict) -> list[dict]:
             "copy_fraction": row.get(f"{direction}_copy_fraction"),
             **({"us_rounds": row[f"{direction}_us_rounds"],
                 "spread": row[f"{direction}_spread"]} if f"{direction}_spread" in row else {}),
+            **{key: row[f"{direction}_{key}"] for key in DEVICE_KEYS
+               if f"{direction}_{key}" in row},
             **({"error": row["error"]} if "error" in row else {}),
         })
     return out
@@ -282,7 +314,7 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
 
         def forward(fn=fn):
             with torch.no_grad():
-                return bench_ms(lambda: fn(*ins), rep)
+                return time_call(lambda: fn(*ins), rep)
 
         jobs[(name, "forward")] = forward
         if not quick or rows >= 4096:
@@ -293,14 +325,22 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
         jobs[(SAME_BYTES, "backward")] = _copy_job(bwd_bytes, device, rep)
     times, errors = interleaved_rounds(jobs, ROUNDS)
     nbytes = {"forward": fwd_bytes, "backward": bwd_bytes}
-    for (name, direction), ms_list in times.items():
+    for (name, direction), timings in times.items():
         row = rows_out[name]
         if (name, direction) in errors:
             row.setdefault("error", errors[(name, direction)])
             continue
-        ms, spread = summarize(ms_list)
+        parts = [t if isinstance(t, tuple) else (t, None, None) for t in timings]
+        ms, spread = summarize([p[0] for p in parts])
+        if all(p[1] is not None for p in parts):
+            dev_us, dev_spread = summarize([p[1] for p in parts])
+            row[f"{direction}_device_us"] = dev_us
+            row[f"{direction}_device_spread"] = dev_spread
+            row[f"{direction}_device_tbps"] = nbytes[direction] / (dev_us * 1e-6) / 1e12
+            row[f"{direction}_device_copy_fraction"] = row[f"{direction}_device_tbps"] / bw
+            row[f"{direction}_host_us"] = summarize([p[2] for p in parts])[0]
         row[f"{direction}_us"] = ms * 1e3
-        row[f"{direction}_us_rounds"] = [t * 1e3 for t in ms_list]
+        row[f"{direction}_us_rounds"] = [p[0] * 1e3 for p in parts]
         row[f"{direction}_spread"] = spread
         row[f"{direction}_tbps"] = nbytes[direction] / (ms * 1e-3) / 1e12
         row[f"{direction}_copy_fraction"] = row[f"{direction}_tbps"] / bw
@@ -319,7 +359,7 @@ def _backward_job(fn, ins, rep):
             state["outs"] = outs
             state["grads"] = [torch.randn_like(o) for o in outs]
             state["wrt"] = leaves + [p for p in _weights(fn) if p.requires_grad]
-        return bench_ms(lambda: torch.autograd.grad(
+        return time_call(lambda: torch.autograd.grad(
             state["outs"], state["wrt"], state["grads"], retain_graph=True,
             allow_unused=True), rep)
 
@@ -363,7 +403,7 @@ BACKEND_FILTER: tuple[str, ...] = ()
 
 
 def main(argv=None) -> int:
-    global BACKEND_FILTER, ROUNDS
+    global BACKEND_FILTER, ROUNDS, DEVICE_TIMING
     # torch.compile donates buffers to its backward, which then refuses the
     # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
     import torch._functorch.config as functorch_config
@@ -378,6 +418,8 @@ def main(argv=None) -> int:
                    help="time only peers whose name contains this (repeatable)")
     p.add_argument("--case", action="append", default=[], metavar="KIND:ROWS:H",
                    help="time only these cases, e.g. norm:32768:2048 (kind: norm, fused, gated)")
+    p.add_argument("--no-device-time", action="store_true",
+                   help="only do_bench's timing (skip the device timing that hides host gaps)")
     args = p.parse_args(argv)
     try:
         cases = [parse_case(c) for c in args.case] or CASES
@@ -387,6 +429,7 @@ def main(argv=None) -> int:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     BACKEND_FILTER = tuple(args.backend)
     ROUNDS = args.rounds
+    DEVICE_TIMING = not args.no_device_time
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -414,23 +457,31 @@ def main(argv=None) -> int:
         flat = [d for row in rows for d in split_directions(row)]
         path.write_text(json.dumps({"environment": env, "rows": flat}, indent=1) + "\n")
     print(f"\ncopy bandwidth {bw:.2f} TB/s (read + write); results in {path}\n")
-    print(f"{'case':<22}{'backend':<34}{'fwd us':>9}{'TB/s':>7}{'%copy':>7}"
-          f"{'bwd us':>10}{'TB/s':>7}{'%copy':>7}")
+    print("call us: do_bench's median (host launch gaps included); dev us: the GPU alone "
+          "(host work hidden behind a sleep kernel); TB/s and %copy from dev us where "
+          "measured, else from call us\n")
+    print(f"{'case':<20}{'backend':<31}{'fwd call':>9}{'dev':>8}{'TB/s':>6}{'%copy':>7}"
+          f"{'bwd call':>10}{'dev':>8}{'TB/s':>6}{'%copy':>7}")
     noisy = 0
     for row in rows:
         case = f"{row['kind']} {row['shape'][0]}x{row['shape'][1]}"
         if "forward_us" not in row:
-            print(f"{case:<22}{row['backend']:<34} error: {row.get('error', '?')[:60]}")
+            print(f"{case:<20}{row['backend'][:30]:<31} error: {row.get('error', '?')[:60]}")
             continue
         cells = []
         for d, width in (("forward", 9), ("backward", 10)):
             if f"{d}_us" not in row:
                 continue
-            flag = "*" if row[f"{d}_spread"] > NOISY else " "
+            spread = row.get(f"{d}_device_spread", row[f"{d}_spread"])
+            flag = "*" if spread > NOISY else " "
             noisy += flag == "*"
-            cells.append(f"{row[f'{d}_us']:>{width}.1f}{row[f'{d}_tbps']:>7.2f}"
-                         f"{100 * row[f'{d}_copy_fraction']:>6.0f}%{flag}")
-        print(f"{case:<22}{row['backend']:<34}{''.join(cells)}")
+            dev = row.get(f"{d}_device_us")
+            tbps = row.get(f"{d}_device_tbps", row[f"{d}_tbps"])
+            frac = row.get(f"{d}_device_copy_fraction", row[f"{d}_copy_fraction"])
+            dev_cell = f"{dev:>8.1f}" if dev is not None else f"{'-':>8}"
+            cells.append(f"{row[f'{d}_us']:>{width}.1f}{dev_cell}{tbps:>6.2f}"
+                         f"{100 * frac:>6.0f}%{flag}")
+        print(f"{case:<20}{row['backend'][:30]:<31}{''.join(cells)}")
     if noisy:
         print(f"\n* {noisy} timing(s) varied by more than {100 * NOISY:.0f}% across the "
               f"{ROUNDS} rounds (us_rounds in the JSON)")

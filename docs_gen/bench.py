@@ -16,7 +16,11 @@ timing: ``us`` the median time in microseconds, ``tbps`` the achieved memory
 bandwidth in TB/s, ``copy_fraction`` that bandwidth as a fraction of a plain
 device copy of the same bytes; optional ``us_rounds`` (each timing round's
 median) and ``spread`` ((max - min) / median over the rounds, shown as a
-column when present). Divergence matrices written by
+column when present). Rows of runs that also timed the GPU alone (host launch
+gaps hidden, see ``bench/run.py``) carry ``device_us``, ``device_tbps``,
+``device_copy_fraction`` and ``host_us``; their tables show the call time,
+the device time and the host time, with TB/s and copy fraction from the
+device time. Divergence matrices written by
 ``normspec compare`` under ``reports/compare/`` (PNG heatmaps, JSON) are shown
 on the same page and on the operator pages.
 """
@@ -108,7 +112,8 @@ def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = (("copy_fraction", "fraction of device copy bandwidth"), ("tbps", "TB/s"),
+    metrics = (("device_copy_fraction", "fraction of device copy bandwidth (GPU time)"),
+               ("copy_fraction", "fraction of device copy bandwidth"), ("tbps", "TB/s"),
                ("us", "µs (lower is better)"))
     metric, label = next(((m, lab) for m, lab in metrics
                           if all(isinstance(r.get(m), int | float) for r in rows)), metrics[-1])
@@ -126,7 +131,7 @@ def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     ax.set_yticklabels(cases)
     ax.invert_yaxis()
     ax.set_xlabel(label)
-    if metric == "copy_fraction":
+    if metric.endswith("copy_fraction"):
         ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
@@ -167,16 +172,29 @@ def benchmarks_page(
         for direction in directions:
             rows = [r for r in res.rows if r["direction"] == direction]
             spread = any(isinstance(r.get("spread"), int | float) for r in rows)
-            lines += [f"### {res.stem}: {direction}", "",
-                      "| case | shape | backend | µs | TB/s | copy fraction |"
+            device = any(isinstance(r.get("device_us"), int | float) for r in rows)
+            lines += [f"### {res.stem}: {direction}", ""]
+            if device:
+                lines += ["Call µs: do_bench (host launch gaps included); device µs: the GPU "
+                          "alone; host µs: enqueueing one call. TB/s and copy fraction are "
+                          "from the device time.", ""]
+            times = "| call µs | device µs | host µs |" if device else "| µs |"
+            lines += ["| case | shape | backend " + times + " TB/s | copy fraction |"
                       + (" spread |" if spread else ""),
-                      "| --- | --- | --- | ---: | ---: | ---: |" + (" ---: |" if spread else "")]
+                      "| --- | --- | --- " + "| ---: " * (3 if device else 1)
+                      + "| ---: | ---: |" + (" ---: |" if spread else "")]
             for r in rows:
+                if device:
+                    cells = (f"| {_num(r.get('us'), '.2f')} | {_num(r.get('device_us'), '.2f')} "
+                             f"| {_num(r.get('host_us'), '.0f')} "
+                             f"| {_num(r.get('device_tbps'), '.3f')} "
+                             f"| {_num(r.get('device_copy_fraction'), '.2f')} |")
+                else:
+                    cells = (f"| {_num(r.get('us'), '.2f')} | {_num(r.get('tbps'), '.3f')} "
+                             f"| {_num(r.get('copy_fraction'), '.2f')} |")
                 lines.append(
                     f"| `{_cell(r['name'])}` | {_shape(r.get('shape'))} | `{_cell(r['backend'])}` "
-                    f"| {_num(r.get('us'), '.2f')} | {_num(r.get('tbps'), '.3f')} "
-                    f"| {_num(r.get('copy_fraction'), '.2f')} |"
-                    + (f" {_num(r.get('spread'), '.0%')} |" if spread else ""))
+                    + cells + (f" {_num(r.get('spread'), '.0%')} |" if spread else ""))
             png = f"{image_dir}/{res.stem}-{direction}.png"
             files[png] = plot_png(rows, f"{res.stem}: {direction}")
             lines += ["", f"![{res.stem} {direction}]({png})", ""]

@@ -105,3 +105,38 @@ def test_time_case_rows_from_rounds_on_the_cpu(monkeypatch):
     elem = 4096 * 8 * 2
     assert copy["forward_tbps"] == pytest.approx(2 * elem / 4000e-6 / 1e12)
     assert copy["backward_tbps"] == pytest.approx(3 * elem / 5000e-6 / 1e12)
+
+
+def test_device_timing_fields_from_rounds(monkeypatch):
+    """Where the device timing runs, each row also keeps the GPU-only time (median over
+    the rounds), its TB/s and copy fraction, and the host time per call; the docs get
+    them through split_directions."""
+    import torch
+
+    def ref(x):
+        return x * 2
+
+    calls = iter([(10.0, 20.0), (30.0, 40.0), (20.0, 30.0)] * 4)
+
+    def fake_device_us(fn, *args):
+        fn()
+        return next(calls)
+
+    monkeypatch.setattr(run, "peers_norm", lambda w: {"ref": ref})
+    monkeypatch.setattr(run, "bench_ms", lambda fn, rep=0.0: 1.0)
+    monkeypatch.setattr(run, "device_us", fake_device_us)
+    monkeypatch.setattr(run, "DEVICE_TIMING", True)
+    monkeypatch.setattr(run, "BACKEND_FILTER", ("ref",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rows = run.time_case("norm", 64, 8, bw=2.0, quick=True, device="cpu")
+    ref_row = rows[0]
+    # rounds: ref forward, copy forward (small shape, quick: no backward)
+    assert ref_row["forward_us"] == 1000.0
+    assert ref_row["forward_device_us"] == 20.0 and ref_row["forward_host_us"] == 30.0
+    elem = 64 * 8 * 2
+    assert ref_row["forward_device_tbps"] == pytest.approx(2 * elem / 20e-6 / 1e12)
+    assert ref_row["forward_device_copy_fraction"] == pytest.approx(
+        ref_row["forward_device_tbps"] / 2.0)
+    (fwd,) = run.split_directions(ref_row)
+    assert fwd["device_us"] == 20.0 and fwd["host_us"] == 30.0
+    assert fwd["device_spread"] == pytest.approx(1.0)

@@ -170,6 +170,15 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
     assert "| copy fraction | spread |" in md
     assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
     assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 | — |" in md
+    # rows with the device timing: call, device and host times, bandwidth from the device
+    rows[1].update(device_us=8.0, host_us=120.0, device_tbps=4.0, device_copy_fraction=0.95)
+    (tmp_path / "h200.json").write_text(json.dumps({"environment": {}, "rows": rows}))
+    md, files = bench.benchmarks_page(bench.load_results(tmp_path))
+    # (rows[1] is the reference's backward; the forward table keeps its layout)
+    assert "| call µs | device µs | host µs | TB/s | copy fraction |" in md
+    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 8.00 | 120 | 4.000 | 0.95 |" in md
+    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | — | — | — | — |" in md
+    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
 
 
 def test_readme_quickstart_is_the_readme_block():
