@@ -66,6 +66,9 @@ CASES = {
                        {"convention": "vllm", "activation": "silu"}),
 }
 N_IN = {"rms_norm": 1, "fused_add_rms_norm": 2, "rms_norm_gated": 2}
+# rows the backward reads as saved inputs and writes as input gradients: one for the fused
+# op ("rounded": the new residual is the sum the norm read, dx = dresidual), as bench/run.py
+N_SAVED = {"rms_norm": 1, "fused_add_rms_norm": 1, "rms_norm_gated": 2}
 N_OUT = {"rms_norm": 1, "fused_add_rms_norm": 2, "rms_norm_gated": 1}
 INTS = {torch.float32: torch.int32, BF16: torch.int16, torch.float16: torch.int16}
 
@@ -236,7 +239,7 @@ def time_case(mod, i: int, case: tuple, parts: set[str]) -> dict:
         del got
         ms = bench_ms(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True))
         row["bwd_us"] = ms * 1e3
-        row["bwd_tbps"] = (n_out + 2 * n_in) * elem / (ms * 1e-3) / 1e12
+        row["bwd_tbps"] = (n_out + 2 * N_SAVED[op]) * elem / (ms * 1e-3) / 1e12
     return row
 
 
