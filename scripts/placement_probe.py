@@ -1,14 +1,18 @@
-"""Does the rms backward's speed depend on where its tensors live?
+"""Where does the rms backward's time go: the GPU, the host, or memory placement?
 
-The bf16 rms backward at 32768 x 2048 is bimodal across processes (same build, same
-inputs: about 135-150 us in some runs and 200-220 us in others; torch.compile's backward
-shows the same spread). This probe times it on fresh allocations within one process:
-before every trial the allocator's cache is emptied and a spacer of random size is
-allocated first, so x, dy and the op's outputs land on other memory. If the times of
-one process split into the same two groups, the cause is placement, not the kernel.
+The bf16 rms backward at 32768 x 2048 looked bimodal across processes in the bench (same
+build, same inputs: about 135-150 us in some runs and 200-220 us in others; torch.compile's
+backward showed the same spread). This probe times it on fresh allocations within one
+process: before every trial the allocator's cache is emptied and a spacer of random size
+is allocated first, so x, dy and the op's outputs land on other memory. Per trial and
+backend (ours and torch.compile's) it prints do_bench's time, the host time to enqueue one
+call (no sync, no flush) and the GPU's kernel time per call (CUPTI, gaps excluded), then a
+same-bytes device copy, and writes the trials as JSON (``--out``).
 
-Prints one line per trial (microseconds; ours, torch.compile's and a same-bytes
-device copy) and writes the trials as JSON (``--out``)."""
+On the H200 (bench/results/placement_probe_H200.json) the kernel times did not move with
+placement (ours 121.9-123.6 us, torch.compile's 124.3-125.1) while the host time per call
+did (244-385 and 400-577 us): the spread is the host's, which do_bench counts whenever
+the host needs longer than its L2 flush. bench/device_timing.py times the GPU alone."""
 
 from __future__ import annotations
 
