@@ -9,7 +9,7 @@ backend (ours and torch.compile's) it prints do_bench's time, the host time to e
 call (no sync, no flush) and the GPU's kernel time per call (CUPTI, gaps excluded), then a
 same-bytes device copy, and writes the trials as JSON (``--out``).
 
-On the H200 (bench/results/placement_probe_H200.json) the kernel times did not move with
+On the H200 (bench/results/probes/placement_H200.json) the kernel times did not move with
 placement (ours 121.9-123.6 us, torch.compile's 124.3-125.1) while the host time per call
 did (244-385 and 400-577 us): the spread is the host's, which do_bench counts whenever
 the host needs longer than its L2 flush. bench/device_timing.py times the GPU alone."""
