@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import HIDE_HOST_MS, device_us
+from device_timing import device_us
 
 #: Whether time_call also takes the device timing (off without CUDA and by --no-device-time).
 DEVICE_TIMING = True
@@ -85,7 +85,7 @@ def time_call(fn: Callable[[], object], rep: float) -> tuple[float, float | None
     ms = bench_ms(fn, rep)
     if not DEVICE_TIMING or not torch.cuda.is_available():
         return ms, None, None
-    dev, host = device_us(fn, rep, HIDE_HOST_MS)
+    dev, host = device_us(fn, rep)
     return ms, dev, host
 
 
