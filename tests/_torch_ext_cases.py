@@ -193,6 +193,22 @@ def check_saved_rstd(op, rows, weight, grads, eps, params, want, want_g, ctx):
     got_g = ext_backward(op, grads, rows, weight, eps, params, rstd=out[-1])
     for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
         assert_bits(g, w, f"{name} with the saved rstd, {ctx}")
+    if op == "fused_add_rms_norm" and (params["residual_sum"] == "rounded"
+                                       or rows["x"].dtype == torch.float32):
+        check_backward_from_sum(grads, out[1], weight, eps, params, out[-1], want_g, ctx)
+
+
+def check_backward_from_sum(grads, s, weight, eps, params, rstd, want_g, ctx):
+    """The fused backward given the forward's new residual s (the sum its norm read):
+    its one gradient row is the spec's dx and dresidual, with the saved rstd or without."""
+    dy, dres = grads
+    for given in (rstd, None):
+        ds, dw = torch.ops.normspec.fused_add_rms_norm_backward_from_sum(
+            dy, dres, s, weight, eps, params["offset"], params["residual_sum"], given)
+        how = "saved rstd" if given is not None else "recomputed rstd"
+        assert_bits(ds, want_g[0], f"ds (dx) from the sum, {how}, {ctx}")
+        assert_bits(ds, want_g[1], f"ds (dresidual) from the sum, {how}, {ctx}")
+        assert_bits(dw, want_g[2], f"dweight from the sum, {how}, {ctx}")
 
 
 def grad_names(op):

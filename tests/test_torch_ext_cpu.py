@@ -176,6 +176,47 @@ def test_autograd_passes_the_forward_rstd_to_the_backward():
     assert [n for n, _ in calls if n.startswith("normspec.")] == ["normspec.rms_norm_gated"]
 
 
+@pytest.mark.parametrize("residual_sum,dtype,backward", [
+    ("rounded", torch.bfloat16, "normspec.fused_add_rms_norm_backward_from_sum"),
+    ("fp32", torch.float32, "normspec.fused_add_rms_norm_backward_from_sum"),
+    ("fp32", torch.bfloat16, "normspec.fused_add_rms_norm_backward"),
+])
+def test_fused_autograd_saves_the_sum_where_the_norm_read_it(residual_sum, dtype, backward):
+    """Where the new residual is the sum the norm read ("rounded", or float32 rows),
+    autograd saves it instead of x and residual and runs the backward from the sum, whose
+    one gradient is both dx and dresidual; elsewhere the backward from x and residual."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 16).to(dtype).requires_grad_()
+    r = torch.randn(3, 16).to(dtype).requires_grad_()
+    w = torch.randn(16, requires_grad=True)
+    y, new_res = te.fused_add_rms_norm(x, r, w, eps=EPS, residual_sum=residual_sum)
+    dy, dres = torch.randn(3, 16).to(dtype), torch.randn(3, 16).to(dtype)
+    with Record():
+        torch.autograd.backward([y, new_res], [dy, dres])
+    assert [n for n in calls if n.startswith("normspec.")] == [backward]
+    want = spec.fused_add_rms_norm_backward(dy, dres, x.detach(), r.detach(), w.detach(),
+                                            eps=EPS, residual_sum=residual_sum)
+    for name, got, ww in zip(("dx", "dresidual", "dweight"), (x.grad, r.grad, w.grad), want,
+                             strict=True):
+        assert_bits(got, ww, f"{name} ({residual_sum}, {dtype})")
+
+
+def test_backward_from_the_sum_refuses_an_unrounded_norm_input():
+    s, dy = torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="residual_sum: the backward from the saved sum "
+                       "needs 'rounded' or float32 rows"):
+        torch.ops.normspec.fused_add_rms_norm_backward_from_sum(
+            dy, dy, s, torch.ones(8), EPS, 0.0, "fp32")
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda r: r.double(), "rstd: expected dtype float32"),
     (lambda r: r[:2], "rstd: expected the shape of x without its last dimension"),
@@ -281,10 +322,16 @@ def _opcheck_samples():
         (ops.rms_norm_gated_backward,
          (*(t(3, 40, grad=False) for _ in range(3)), t(40, grad=False), 1e-6, "vllm", "silu",
           t(3, grad=False).abs())),
+        (ops.fused_add_rms_norm_backward_from_sum,
+         (*(t(3, 40, dtype=torch.bfloat16, grad=False) for _ in range(3)), t(40, grad=False),
+          1e-6, 1.0, "rounded")),
+        (ops.fused_add_rms_norm_backward_from_sum,
+         (*(t(2, 40, grad=False) for _ in range(3)), t(40, grad=False), 1e-6, 0.0, "fp32",
+          t(2, grad=False).abs())),
     ]
 
 
-@pytest.mark.parametrize("i", range(15))
+@pytest.mark.parametrize("i", range(17))
 def test_opcheck(i):
     op, args = _opcheck_samples()[i]
     torch.library.opcheck(op, args)

@@ -246,6 +246,9 @@ def test_opcheck_cuda():
                                                    1e-6, 0.0, "rounded"))
     torch.library.opcheck(ops.rms_norm_gated, (x, x.detach().clone().requires_grad_(), w, 1e-6,
                                                "hf", "sigmoid"))
+    sb = torch.randn(3, 40, device="cuda").bfloat16()
+    torch.library.opcheck(ops.fused_add_rms_norm_backward_from_sum,
+                          (sb, sb.clone(), sb.clone(), w.detach(), 1e-6, 1.0, "rounded"))
 
 
 @pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],

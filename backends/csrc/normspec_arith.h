@@ -184,7 +184,17 @@ NS_HD long long next_pow2(long long n) {
 }
 
 // Operator codes shared by the launchers.
-enum OpCode : int { OP_RMS = 0, OP_FUSED = 1, OP_GATED = 2 };
+// OP_FUSED_SUM is the fused op's backward given the sum s the norm read (the
+// forward's new residual where that is s: residual_sum "rounded", or fp32 rows):
+// x = s, no residual row, and one gradient row ds (= dx = dresidual) is written.
+enum OpCode : int { OP_RMS = 0, OP_FUSED = 1, OP_GATED = 2, OP_FUSED_SUM = 3 };
+
+// Whether the op reads a second row tensor (the residual or the gate).
+NS_HD constexpr bool op_reads_second(int op) { return op == OP_FUSED || op == OP_GATED; }
+// Whether the op's backward adds the new residual's gradient (dres) to the norm's.
+NS_HD constexpr bool op_adds_dres(int op) { return op == OP_FUSED || op == OP_FUSED_SUM; }
+// Whether the op's backward writes a second gradient row (dresidual or dgate).
+NS_HD constexpr bool op_writes_second(int op) { return op == OP_FUSED || op == OP_GATED; }
 
 // Flag bits passed to the kernels (and used by the host kernels).
 enum Flags : int {

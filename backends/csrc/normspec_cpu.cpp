@@ -199,14 +199,14 @@ at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, c
       std::fill(buf.begin() + H, buf.end(), 0.0f);
       const float m = div_by_count(tree_fold(buf.data(), P), H);
       T* dxr = dx + row * H;
-      if (o.op == OP_FUSED) {
+      if (op_adds_dres(o.op)) {
         const T* dresr = dres + row * dresv->stride;
         for (int64_t i = 0; i < H; ++i) {
           float dsn = mul(rstd, sub(dxh[i], mul(mul(s[i], rstd), m)));
           if (rounded) dsn = IO::rt(dsn);
           const T ds = IO::store(add(dsn, IO::load(dresr[i])));
           dxr[i] = ds;
-          d2r[i] = ds;
+          if (d2r != nullptr) d2r[i] = ds;
         }
       } else {
         for (int64_t i = 0; i < H; ++i)
@@ -351,6 +351,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
   return {dx, dres, row_tree(contrib).to(weight.scalar_type())};
 }
 
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_backward_from_sum_cpu(
+    const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& s,
+    const at::Tensor& weight, double eps, double offset, c10::string_view residual_sum,
+    const c10::optional<at::Tensor>& rstd) {
+  check_norm_args(s, {{"dy", dy}, {"dresidual_out", dresidual_out}}, weight, eps, offset);
+  const bool rounded = parse_sum_convention(residual_sum, s);
+  const float* given = given_rstd(rstd, s);
+  at::Tensor ds = new_rows(s);
+  if (s.numel() == 0) return {ds, at::zeros_like(weight)};
+  const Opts o = make_opts(OP_FUSED_SUM, s, weight, eps, offset, rounded ? F_ROUNDED : 0);
+  const RowView sv = row_view(s), dyv = row_view(dy), dresv = row_view(dresidual_out);
+  const at::Tensor w = weight_f32(weight);
+  at::Tensor contrib;
+  dispatch_dtype(s.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    contrib = backward_impl<T>(o, dyv, sv, nullptr, &dresv, w.data_ptr<float>(),
+                               ds.data_ptr<T>(), nullptr, given);
+  });
+  return {ds, row_tree(contrib).to(weight.scalar_type())};
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_gated_impl(const at::Tensor& x,
                                                        const at::Tensor& gate,
                                                        const at::Tensor& weight, double eps,
@@ -415,6 +436,8 @@ TORCH_LIBRARY_IMPL(normspec, CPU, m) {
   m.impl("rms_norm_backward", &normspec::rms_norm_backward_cpu);
   m.impl("fused_add_rms_norm", &normspec::fused_add_rms_norm_cpu);
   m.impl("fused_add_rms_norm_backward", &normspec::fused_add_rms_norm_backward_cpu);
+  m.impl("fused_add_rms_norm_backward_from_sum",
+         &normspec::fused_add_rms_norm_backward_from_sum_cpu);
   m.impl("rms_norm_gated", &normspec::rms_norm_gated_cpu);
   m.impl("rms_norm_gated_backward", &normspec::rms_norm_gated_backward_cpu);
 }

@@ -218,6 +218,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
   return {dx, dres, dw};
 }
 
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_backward_from_sum_cuda(
+    const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& s,
+    const at::Tensor& weight, double eps, double offset, c10::string_view residual_sum,
+    const c10::optional<at::Tensor>& rstd) {
+  check_norm_args(s, {{"dy", dy}, {"dresidual_out", dresidual_out}}, weight, eps, offset);
+  const bool rounded = parse_sum_convention(residual_sum, s);
+  const float* given = given_rstd(rstd, s);
+  const c10::cuda::CUDAGuard guard(s.device());
+  at::Tensor ds = new_rows(s);
+  if (s.numel() == 0) return {ds, at::zeros_like(weight)};
+  const RowView sv = row_view(s), dyv = row_view(dy), drv = row_view(dresidual_out);
+  LaunchArgs a = base_args(sv, eps, offset,
+                           base_flags(s, weight, offset) | (rounded ? F_ROUNDED : 0));
+  a.dy = dyv.t.data_ptr();
+  a.sdy = dyv.stride;
+  a.dres = drv.t.data_ptr();
+  a.sdres = drv.stride;
+  a.y = ds.data_ptr();
+  a.sy = sv.hidden;
+  a.rstd_in = given;
+  at::Tensor dw = backward(OP_FUSED_SUM, s, weight, a);
+  return {ds, dw};
+}
+
 int gated_launch_flags(const at::Tensor& x, const at::Tensor& weight, c10::string_view convention,
                        c10::string_view activation) {
   return base_flags(x, weight, 0.0) | gated_flags(convention, activation);
@@ -293,6 +317,8 @@ TORCH_LIBRARY_IMPL(normspec, CUDA, m) {
   m.impl("rms_norm_backward", &normspec::rms_norm_backward_cuda);
   m.impl("fused_add_rms_norm", &normspec::fused_add_rms_norm_cuda);
   m.impl("fused_add_rms_norm_backward", &normspec::fused_add_rms_norm_backward_cuda);
+  m.impl("fused_add_rms_norm_backward_from_sum",
+         &normspec::fused_add_rms_norm_backward_from_sum_cuda);
   m.impl("rms_norm_gated", &normspec::rms_norm_gated_cuda);
   m.impl("rms_norm_gated_backward", &normspec::rms_norm_gated_backward_cuda);
 }

@@ -100,6 +100,18 @@ inline bool parse_residual_sum(c10::string_view s) {
   return false;
 }
 
+// The residual_sum of a backward given the sum s the norm read: "rounded", or "fp32"
+// for float32 rows only (a 16-bit "fp32" norm reads the unrounded sum, which the
+// new residual does not hold).
+inline bool parse_sum_convention(c10::string_view residual_sum, const at::Tensor& s) {
+  const bool rounded = parse_residual_sum(residual_sum);
+  TORCH_CHECK(rounded || s.scalar_type() == at::kFloat,
+              "residual_sum: the backward from the saved sum needs 'rounded' or float32 rows "
+              "(the norm of 'fp32' reads the unrounded sum), got 'fp32' with s of dtype ",
+              s.scalar_type());
+  return rounded;
+}
+
 inline bool parse_convention_hf(c10::string_view s) {
   if (s == "vllm") return false;
   if (s == "hf") return true;

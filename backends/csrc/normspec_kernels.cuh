@@ -393,7 +393,7 @@ __device__ __forceinline__ void backward_second(const float (&v)[VEC], const flo
   float out[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = mul(rstd, sub(dxh[j], mul(mul(v[j], rstd), m)));
-  if constexpr (OP == OP_FUSED) {
+  if constexpr (op_adds_dres(OP)) {
     float dres[VEC];
     load_vec<T, VEC>(dresr, col, H, aligned, dres);
 #pragma unroll
@@ -402,7 +402,7 @@ __device__ __forceinline__ void backward_second(const float (&v)[VEC], const flo
       if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
       out[j] = add(dsn, dres[j]);
     }
-    store_vec<T, VEC>(d2r, col, H, aligned, out);
+    if constexpr (OP == OP_FUSED) store_vec<T, VEC>(d2r, col, H, aligned, out);
   }
   store_vec<T, VEC>(dxr, col, H, aligned, out);
 }
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(1024)
   for (long long row = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
        row += static_cast<long long>(gridDim.x) * blockDim.y) {
     const T* xr = x + row * sx;
-    const T* rr = (OP != OP_RMS) ? r + row * sr : nullptr;
+    const T* rr = op_reads_second(OP) ? r + row * sr : nullptr;
     float v[NP][VEC];
     float part[NP];
 #pragma unroll
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(1024)
   float stk[64];
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * sx;
-    const T* rr = (OP != OP_RMS) ? r + row * sr : nullptr;
+    const T* rr = op_reads_second(OP) ? r + row * sr : nullptr;
     float total = 0.0f;
     for (long long j = 0; j < npass; ++j) {
       float part[1] = {0.0f};
@@ -524,6 +524,7 @@ __global__ void __launch_bounds__(1024)
 // writes one fp32 row per group: ws[g * H + col], g < ceil(rows / R).
 //   OP_RMS:   r, dres, d2 unused.
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
+//   OP_FUSED_SUM: x = the sum s, dres as OP_FUSED; r, d2 unused (dx is ds).
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
 template <int OP, typename T, int NP>
 __global__ void __launch_bounds__(256)
@@ -554,7 +555,7 @@ __global__ void __launch_bounds__(256)
       float contrib[NP][VEC];
       if (row < rows) {  // uniform over the team
         const T* xr = x + row * sx;
-        const T* rr = (OP != OP_RMS) ? r + row * sr : nullptr;
+        const T* rr = op_reads_second(OP) ? r + row * sr : nullptr;
         float v[NP][VEC];
         float part[NP];
 #pragma unroll
@@ -573,7 +574,7 @@ __global__ void __launch_bounds__(256)
         buf ^= 1;
         const float rstd = rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
         const T* dyr = dy + row * sdy;
-        T* d2r = (OP != OP_RMS) ? d2 + row * sd2 : nullptr;
+        T* d2r = op_writes_second(OP) ? d2 + row * sd2 : nullptr;
         float dxh[NP][VEC];
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
@@ -593,7 +594,7 @@ __global__ void __launch_bounds__(256)
         team_reduce<NP, VEC>(part, P, red[buf]);
         buf ^= 1;
         const float m = div_by_count(fold_passes<NP>(part, S, P), H);
-        const T* dresr = (OP == OP_FUSED) ? dres + row * sdres : nullptr;
+        const T* dresr = op_adds_dres(OP) ? dres + row * sdres : nullptr;
         T* dxr = dx + row * sdx;
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
@@ -662,9 +663,9 @@ __global__ void __launch_bounds__(1024)
   float stk[64];
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * sx;
-    const T* rr = (OP != OP_RMS) ? r + row * sr : nullptr;
+    const T* rr = op_reads_second(OP) ? r + row * sr : nullptr;
     const T* dyr = dy + row * sdy;
-    T* d2r = (OP != OP_RMS) ? d2 + row * sd2 : nullptr;
+    T* d2r = op_writes_second(OP) ? d2 + row * sd2 : nullptr;
     float* wsr = ws + row * H;
     float total = 0.0f;
     for (long long j = 0; j < npass; ++j) {
@@ -697,7 +698,7 @@ __global__ void __launch_bounds__(1024)
       total = stack_push(stk, j, part[0]);
     }
     const float m = div_by_count(total, H);
-    const T* dresr = (OP == OP_FUSED) ? dres + row * sdres : nullptr;
+    const T* dresr = op_adds_dres(OP) ? dres + row * sdres : nullptr;
     T* dxr = dx + row * sdx;
     for (long long col = tcol; col < H; col += S) {
       float v[VEC], dxh[VEC], contrib[VEC];

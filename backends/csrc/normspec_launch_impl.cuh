@@ -666,6 +666,9 @@ void dispatch_op(int op, bool backward, const LaunchArgs& a, float* ws, const Ba
       backward ? backward_t<OP_FUSED, T>(a, ws, *plan, stream)
                : forward_t<OP_FUSED, T>(a, stream);
       break;
+    case OP_FUSED_SUM:  // a backward only
+      if (backward) backward_t<OP_FUSED_SUM, T>(a, ws, *plan, stream);
+      break;
     default:
       backward ? backward_t<OP_GATED, T>(a, ws, *plan, stream)
                : forward_t<OP_GATED, T>(a, stream);

@@ -27,6 +27,11 @@ TORCH_LIBRARY(normspec, m) {
       "fused_add_rms_norm_backward(Tensor dy, Tensor dresidual_out, Tensor x, Tensor residual,"
       " Tensor weight, float eps, float offset, str residual_sum, Tensor? rstd=None)"
       " -> (Tensor, Tensor, Tensor)");
+  // the backward from the sum s the norm read (the new residual): ds = dx = dresidual
+  m.def(
+      "fused_add_rms_norm_backward_from_sum(Tensor dy, Tensor dresidual_out, Tensor s,"
+      " Tensor weight, float eps, float offset, str residual_sum, Tensor? rstd=None)"
+      " -> (Tensor, Tensor)");
   m.def(
       "rms_norm_gated(Tensor x, Tensor gate, Tensor weight, float eps, str convention,"
       " str activation) -> Tensor");

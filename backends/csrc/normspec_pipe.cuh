@@ -620,6 +620,7 @@ __global__ void __launch_bounds__(256)
 // conflicts). One fp32 row per group goes to ws[g * H + col].
 //   OP_RMS:   r, dres, d2 unused.
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
+//   OP_FUSED_SUM: x = the sum s, dres as OP_FUSED; r, d2 unused (dx is ds).
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
 // Build-time knob for bench/micro/bwd_variants.cu (default: the shipped kernel):
 // the minimum resident 256-thread blocks the register budget must allow. On the
@@ -661,8 +662,8 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr int Q = VEC / 4;  // float4 per vector
-  constexpr bool TWO = OP != OP_RMS;
-  constexpr bool DRES = OP == OP_FUSED;
+  constexpr bool TWO = op_reads_second(OP);
+  constexpr bool DRES = op_adds_dres(OP);
   constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
   __shared__ float red[2][NP * 32];
   extern __shared__ float4 stk[];  // dweight stacks, weight factors, gate table
@@ -814,7 +815,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 #pragma unroll
             for (int k = 0; k < VEC; ++k)
               out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
-            if constexpr (OP == OP_FUSED) {
+            if constexpr (DRES) {
               float dr[VEC];
               unpack<T>(cdr[p], dr);
 #pragma unroll
@@ -823,7 +824,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
                 if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
                 out[k] = add(dsn, dr[k]);
               }
-              store_row<T>(d2 + row * sd2, col, Hc, out);
+              if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * sd2, col, Hc, out);
             }
             store_row<T>(dx + row * sdx, col, Hc, out);
           }

@@ -43,6 +43,17 @@ it; the pipelined CUDA backward then skips the row's first reduction, its square
 root and division (and a barrier per row for teams of more than one warp).
 Without autograd the plain forward runs and no rstd is written.
 
+The fused op's saved sum. Where the new residual is the very sum the norm read
+(``residual_sum="rounded"``, or float32 rows, where both conventions coincide),
+autograd saves it instead of ``x`` and ``residual`` (one activation row tensor
+instead of two), and its backward runs
+``torch.ops.normspec.fused_add_rms_norm_backward_from_sum``: it reads that sum
+instead of recomputing it from two rows and writes one gradient row, which is
+both ``dx`` and ``dresidual`` (the spec makes them equal; autograd receives the
+same tensor for both inputs). A 16-bit ``"fp32"`` norm reads the unrounded sum,
+which the new residual does not hold: it keeps the backward from ``x`` and
+``residual``.
+
 Python API (validation errors are the spec's):
 
 * [`rms_norm`][normspec.backends.torch_ext.rms_norm]`(x, weight, *, eps, offset=0.0)`

@@ -150,6 +150,11 @@ def _fake_fused_backward(dy, dresidual_out, x, residual, weight, eps, offset, re
     return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
 
 
+def _fake_fused_backward_from_sum(dy, dresidual_out, s, weight, eps, offset, residual_sum,
+                                  rstd=None):
+    return _rows_like(s), weight.new_empty(weight.shape)
+
+
 def _fake_gated(x, gate, weight, eps, convention, activation):
     return _rows_like(x)
 
@@ -194,14 +199,34 @@ def _backward_rms(ctx, dy, _drstd=None):
     return dx, dweight, None, None
 
 
+def _norm_reads_new_residual(x: torch.Tensor, residual_sum: str) -> bool:
+    """Whether the forward's new residual is the very sum its norm read: the "rounded"
+    convention, or float32 rows (where both conventions coincide)."""
+    return residual_sum == "rounded" or x.dtype == torch.float32
+
+
 def _setup_fused(ctx, inputs, output, with_rstd=False):
     x, residual, weight, eps, offset, residual_sum = inputs
     ctx.with_rstd = with_rstd
-    ctx.save_for_backward(x, residual, weight, _saved_rstd(ctx, output))
+    ctx.from_sum = _norm_reads_new_residual(x, residual_sum)
+    rstd = _saved_rstd(ctx, output)
+    if ctx.from_sum:
+        # one saved row tensor instead of two, and a backward that reads one instead of
+        # two and writes ds once (dx and dresidual are the same bits by the spec)
+        ctx.save_for_backward(output[1], weight, rstd)
+    else:
+        ctx.save_for_backward(x, residual, weight, rstd)
     ctx.eps, ctx.offset, ctx.residual_sum = eps, offset, residual_sum
 
 
 def _backward_fused(ctx, dy, dresidual_out, _drstd=None):
+    if ctx.from_sum:
+        s, weight, rstd = ctx.saved_tensors
+        ds, dweight = torch.ops.normspec.fused_add_rms_norm_backward_from_sum(
+            _grad(dy, s), _grad(dresidual_out, s), s, weight,
+            ctx.eps, ctx.offset, ctx.residual_sum, rstd,
+        )
+        return ds, ds, dweight, None, None, None
     x, residual, weight, rstd = ctx.saved_tensors
     dx, dresidual, dweight = torch.ops.normspec.fused_add_rms_norm_backward(
         _grad(dy, x), _grad(dresidual_out, x), x, residual, weight,
@@ -242,6 +267,9 @@ def _register_python_parts() -> None:
     lib.register_fake("normspec::rms_norm_backward", _fake_rms_norm_backward)
     lib.register_fake("normspec::fused_add_rms_norm", _fake_fused)
     lib.register_fake("normspec::fused_add_rms_norm_backward", _fake_fused_backward)
+    lib.register_fake(
+        "normspec::fused_add_rms_norm_backward_from_sum", _fake_fused_backward_from_sum
+    )
     lib.register_fake("normspec::rms_norm_gated", _fake_gated)
     lib.register_fake("normspec::rms_norm_gated_backward", _fake_gated_backward)
     lib.register_fake("normspec::rms_norm_with_rstd", _fake_rms_norm_with_rstd)
