@@ -6,8 +6,9 @@ streaming kernels instead of the pipelined ones), ``NORMSPEC_FWD_ROW`` (``0``: t
 persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``: the
 gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
 (``0``: the general-geometry kernels also where a constant-geometry form exists)
-and ``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
-forward's)
+``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
+forward's) and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward: the
+``rowblock=32/64/128`` candidates)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -53,7 +54,7 @@ EPS = 1e-6
 BF16 = torch.bfloat16
 ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
             "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW",
-            "NORMSPEC_SAVED_RSTD")
+            "NORMSPEC_SAVED_RSTD", "NORMSPEC_ROW_BLOCK")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -279,6 +280,8 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
            {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]},
            {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both},
            {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]}]
+    out += [{"name": f"rowblock={b}", "env": {"NORMSPEC_ROW_BLOCK": str(b)}, "parts": ["fwd"]}
+            for b in (32, 64, 128)]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
                                           "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
             for t in teams]

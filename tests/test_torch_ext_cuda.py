@@ -303,6 +303,8 @@ OVERRIDES = [
     {"NORMSPEC_FULL_ROW": "0"},
     {"NORMSPEC_FWD_TEAM": "8"},
     {"NORMSPEC_SAVED_RSTD": "0"},
+    {"NORMSPEC_ROW_BLOCK": "32"},
+    {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
 ]
 
 

@@ -16,6 +16,9 @@
 //                         the team exactly, instead of the constant-geometry forms)
 //   NORMSPEC_SAVED_RSTD=0  (the backward recomputes rstd instead of reading the
 //                           forward's, a.rstd_in)
+//   NORMSPEC_ROW_BLOCK=<threads>  (threads per block of the one-row forward for teams
+//                                  of at most 32 lanes: a power of two, 32..256;
+//                                  default 256)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -88,6 +91,22 @@ inline int forward_team_override() {
 
 inline int backward_team_override() {
   static const int threads = team_from_env("NORMSPEC_BWD_TEAM", 256);
+  return threads;
+}
+
+// Threads per block of the one-row forward where its teams share warps (0 = unset:
+// 256). torch.compile's q/k forward runs one-warp blocks of four rows (ncu,
+// bench/results/ncu/torch_compile_H200.csv); this lets a sweep time ours that way.
+inline int row_block_override() {
+  static const int threads = [] {
+    const int t = team_from_env("NORMSPEC_ROW_BLOCK", 256);
+    if (t != 0 && t < 32) {
+      std::fprintf(stderr, "normspec: ignoring NORMSPEC_ROW_BLOCK=%d (expected a power of two "
+                           "in 32..256); using 256\n", t);
+      return 0;
+    }
+    return t;
+  }();
   return threads;
 }
 
@@ -461,8 +480,9 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
 template <int OP, typename T, int NP, int FULL_TL>
 void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   const void* w = pipe_weight(a);
-  const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
-  normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, g.block(), 0, stream>>>(
+  const int block = g.team_log <= 5 && row_block_override() ? row_block_override() : g.block();
+  const unsigned grid = grid_for(a.rows, block >> g.team_log);
+  normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log, a.rstd_out);

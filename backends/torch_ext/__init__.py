@@ -32,7 +32,9 @@ same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_FULL_ROW=0``: no constant-geometry kernels (the general ones also
   for rows that fill the team exactly);
 * ``NORMSPEC_SAVED_RSTD=0``: the pipelined backward recomputes rstd even where the
-  forward's is given.
+  forward's is given;
+* ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
+  have at most 32 lanes (a power of two, 32..256; default 256).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
