@@ -9,6 +9,7 @@ from _torch_ext_cases import (
     LAYOUTS,
     VARIANTS,
     assert_bits,
+    check_backward_from_sum,
     check_saved_rstd,
     ext_backward,
     ext_forward,
@@ -163,6 +164,32 @@ def test_pipelined_backward_reads_the_saved_rstd(op, params, shape):
     for name, g, w in zip(grad_names(op), right, again, strict=True):
         assert_bits(g, w, f"{name}: given rstd vs recomputed")
     assert not torch.equal(right[0], wrong[0])
+
+
+@pytest.mark.parametrize("shape,dtype,residual_sum", [
+    ((3000, 2048), torch.bfloat16, "rounded"),   # constant form, 128 lanes x 2
+    ((3000, 4096), torch.bfloat16, "rounded"),   # constant form, 256 lanes x 2
+    ((20000, 256), torch.bfloat16, "rounded"),   # constant form, 32 lanes x 1
+    ((20000, 128), torch.float16, "rounded"),    # constant form, 16 lanes x 1
+    ((700, 1000), torch.bfloat16, "rounded"),    # general form
+    ((3000, 2048), torch.float32, "fp32"),       # float32: both conventions coincide
+    ((50, 9000), torch.bfloat16, "rounded"),     # too long for the pipelined kernels
+])
+def test_fused_backward_from_the_sum_on_every_kernel_form(shape, dtype, residual_sum):
+    """The fused backward from the saved sum (OP_FUSED_SUM) on the pipelined kernels'
+    forms (rows beyond the persistent grid's teams) and the streaming kernel: its one
+    gradient row is the spec's dx and dresidual, computed on the CPU."""
+    params = {"offset": 1.0, "residual_sum": residual_sum}
+    rows, weight, grads = make_case("fused_add_rms_norm", params, shape, dtype, torch.float32,
+                                    11, specials=False)
+    want = spec_forward("fused_add_rms_norm", rows, weight, EPS, params)
+    want_g = spec_backward("fused_add_rms_norm", grads, rows, weight, EPS, params)
+    crows = {k: v.cuda() for k, v in rows.items()}
+    cw = weight.cuda()
+    out = ext_forward_with_rstd("fused_add_rms_norm", crows, cw, EPS, params)
+    assert_bits(out[1], want[1], f"new residual {shape} {dtype}")
+    check_backward_from_sum([g.cuda() for g in grads], out[1], cw, EPS, params, out[-1],
+                            want_g, f"CUDA {shape} {dtype} {residual_sum}")
 
 
 def test_many_rows_dweight_tree():
