@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 
 #include "normspec_launch.h"
 #include "normspec_pipe.cuh"
@@ -456,6 +457,29 @@ void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream
       g.team_log, a.rstd_out);
 }
 
+// Whether rows of H elements fill a team of 2**team_log threads exactly with NP
+// vectors per thread: the rows the constant-geometry forms take.
+template <typename T, int NP>
+inline bool fills_team(long long H, int team_log) {
+  return H == (static_cast<long long>(NP) * VecOf<T>::value << team_log);
+}
+
+// Calls f(std::integral_constant<int, TL>{}) for the TL in [LO, HI] equal to
+// team_log, so that a runtime team size picks a kernel instantiated for it;
+// returns whether one did.
+template <int LO, int HI, typename F>
+bool with_team_log(int team_log, F&& f) {
+  if constexpr (LO > HI) {
+    return false;
+  } else {
+    if (team_log == LO) {
+      f(std::integral_constant<int, LO>{});
+      return true;
+    }
+    return with_team_log<LO + 1, HI>(team_log, f);
+  }
+}
+
 // The persistent forward. Gate-table launches of rows that fill the team
 // exactly (bf16, one or two passes over teams of 4..32 lanes: H = 32..512)
 // run the constant-geometry form.
@@ -467,12 +491,11 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
       fits_smem(pipe_weight_bytes(g, VEC) + GATE_TABLE_SLOTS * sizeof(float),
                 device_smem_optin());
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP <= 2) {
-    const bool full = table && full_row_forms_enabled() &&
-                      a.H == (static_cast<long long>(NP) * VEC << g.team_log);
-    if (full && g.team_log == 2) return launch_fwd_pipe<OP, T, NP, 2>(a, g, true, stream);
-    if (full && g.team_log == 3) return launch_fwd_pipe<OP, T, NP, 3>(a, g, true, stream);
-    if (full && g.team_log == 4) return launch_fwd_pipe<OP, T, NP, 4>(a, g, true, stream);
-    if (full && g.team_log == 5) return launch_fwd_pipe<OP, T, NP, 5>(a, g, true, stream);
+    if (table && full_row_forms_enabled() && fills_team<T, NP>(a.H, g.team_log) &&
+        with_team_log<2, 5>(g.team_log, [&](auto tl) {
+          launch_fwd_pipe<OP, T, NP, decltype(tl)::value>(a, g, true, stream);
+        }))
+      return;
   }
   launch_fwd_pipe<OP, T, NP, -1>(a, g, table, stream);
 }
@@ -488,17 +511,6 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
       g.team_log, a.rstd_out);
 }
 
-// The constant-geometry form for teams of 2**TL..256 threads, else the general one.
-template <int OP, typename T, int NP, int TL>
-void launch_full_row(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
-  if constexpr (TL <= 8) {
-    if (g.team_log == TL) return launch_row<OP, T, NP, TL>(a, g, stream);
-    return launch_full_row<OP, T, NP, TL + 1>(a, g, stream);
-  } else {
-    return launch_row<OP, T, NP, -1>(a, g, stream);
-  }
-}
-
 // Rows that fill the team exactly with the default passes (power-of-two H) run
 // the form with constant geometry (FULL_TL = team_log, teams of 2..256 threads);
 // other rows the general one.
@@ -506,9 +518,11 @@ template <int OP, typename T, int NP>
 void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int DEFAULT_NP = OP == OP_RMS ? 4 : 2;
   if constexpr (NP == DEFAULT_NP) {
-    if (full_row_forms_enabled() &&
-        a.H == (static_cast<long long>(NP) * VecOf<T>::value << g.team_log))
-      return launch_full_row<OP, T, NP, 1>(a, g, stream);
+    if (full_row_forms_enabled() && fills_team<T, NP>(a.H, g.team_log) &&
+        with_team_log<1, 8>(g.team_log, [&](auto tl) {
+          launch_row<OP, T, NP, decltype(tl)::value>(a, g, stream);
+        }))
+      return;
   }
   launch_row<OP, T, NP, -1>(a, g, stream);
 }
@@ -558,12 +572,12 @@ template <int OP, typename T, int NP>
 void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
   constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1
-  const bool full = full_row_forms_enabled() &&
-                    a.H == (static_cast<long long>(NP) * VecOf<T>::value << plan.team_log);
   if constexpr (NP <= 2) {
-    if (full && plan.team_log == LO) return launch_bwd_pipe<OP, T, NP, LO>(a, ws, plan, stream);
-    if (full && plan.team_log == LO + 1)
-      return launch_bwd_pipe<OP, T, NP, LO + 1>(a, ws, plan, stream);
+    if (full_row_forms_enabled() && fills_team<T, NP>(a.H, plan.team_log) &&
+        with_team_log<LO, LO + 1>(plan.team_log, [&](auto tl) {
+          launch_bwd_pipe<OP, T, NP, decltype(tl)::value>(a, ws, plan, stream);
+        }))
+      return;
   }
   launch_bwd_pipe<OP, T, NP, -1>(a, ws, plan, stream);
 }
