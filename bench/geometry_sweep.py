@@ -7,8 +7,9 @@ persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``:
 gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
 (``0``: the general-geometry kernels also where a constant-geometry form exists)
 ``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
-forward's) and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward: the
-``rowblock=32/64/128`` candidates)
+forward's) and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward for teams of at
+most 32 lanes; by default 256, or 32 for launches of many waves: the
+``rowblock=32/64/128/256`` candidates)
 once per process, so every candidate runs in a fresh subprocess. Each child
 
 * times forward and backward (dx and dweight together, through
@@ -281,7 +282,7 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
            {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both},
            {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]}]
     out += [{"name": f"rowblock={b}", "env": {"NORMSPEC_ROW_BLOCK": str(b)}, "parts": ["fwd"]}
-            for b in (32, 64, 128)]
+            for b in (32, 64, 128, 256)]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
                                           "NORMSPEC_BWD_TEAM": str(t)}, "parts": both}
             for t in teams]

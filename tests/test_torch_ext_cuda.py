@@ -192,6 +192,29 @@ def test_fused_backward_from_the_sum_on_every_kernel_form(shape, dtype, residual
                             want_g, f"CUDA {shape} {dtype} {residual_sum}")
 
 
+def _small_row_boundaries(per_team_lanes: int) -> list[int]:
+    """Row counts on both sides of where the one-row forward's team doubles (the teams'
+    threads within half the device's resident threads: SMs x 1024)."""
+    half = torch.cuda.get_device_properties(0).multi_processor_count * 1024
+    edges = [half // (per_team_lanes * 2), half // (per_team_lanes * 4)]
+    return sorted({1, 2, 64} | {e + d for e in edges for d in (0, 1)})
+
+
+@pytest.mark.parametrize("op,params,hidden,lanes", [
+    ("rms_norm", {"offset": 1.0}, 2048, 64),          # teams of 64 -> 128 -> 256 lanes
+    ("rms_norm", {"offset": 1.0}, 256, 8),            # q/k: 8 -> 16 -> 32
+    ("fused_add_rms_norm", {"offset": 1.0, "residual_sum": "rounded"}, 2048, 128),
+    ("rms_norm_gated", {"convention": "vllm", "activation": "silu"}, 128, 8),
+], ids=["rms2048", "qk256", "fused2048", "gated128"])
+def test_small_row_geometry_is_bitwise(op, params, hidden, lanes):
+    """Few rows run the one-row forward with wider teams (one vector per thread at
+    most, the weight loaded with the row): the rows around each doubling give the
+    spec's bits, forward and backward."""
+    for seed, rows in enumerate(_small_row_boundaries(lanes)):
+        check_case(op, params, (rows, hidden), torch.bfloat16, torch.float32, seed,
+                   specials=seed % 2 == 0)
+
+
 def test_many_rows_dweight_tree():
     # many groups in the workspace tree, a non-power-of-two row count
     check_case("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,

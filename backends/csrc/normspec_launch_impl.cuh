@@ -18,7 +18,7 @@
 //                           forward's, a.rstd_in)
 //   NORMSPEC_ROW_BLOCK=<threads>  (threads per block of the one-row forward for teams
 //                                  of at most 32 lanes: a power of two, 32..256;
-//                                  default 256)
+//                                  default: row_block)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -96,7 +96,7 @@ inline int backward_team_override() {
 }
 
 // Threads per block of the one-row forward where its teams share warps (0 = unset:
-// 256). torch.compile's q/k forward runs one-warp blocks of four rows (ncu,
+// row_block). torch.compile's q/k forward runs one-warp blocks of four rows (ncu,
 // bench/results/ncu/torch_compile_H200.csv); this lets a sweep time ours that way.
 inline int row_block_override() {
   static const int threads = [] {
@@ -277,19 +277,47 @@ inline const float* saved_rstd(const LaunchArgs& a) {
   return saved_rstd_enabled() ? a.rstd_in : nullptr;
 }
 
+inline int device_sms();
+
 // The one-row-per-team forward: by default four vectors per thread for the rms
 // norm and two for the ops that read two row tensors (H200,
 // bench/micro/fwd_variants.cu, H = 2048 bf16: rms 64 x 4 72.1 us against 76.3 for
 // 128 x 2 and 97.0 for 256 x 1; fused 128 x 2 138.9 us, 64 x 4 139.9 with 88
 // instead of 56 registers), the team override otherwise.
+// Few rows: a launch that cannot fill the GPU is bound by the latency of one
+// row, which shortens with the vectors each thread walks; the team doubles (to
+// one vector per thread at most) while the teams' threads stay within half the
+// device's resident threads (SMs x 1024), so a full launch keeps the geometry
+// above. H200, 2048 bf16: 64 rows 5.2 us with teams of 256 against 6.0 with 64,
+// 4096 rows 13.9 with 64 against 19.1 with 256 (bench/results/sweeps/small_rows.json).
 inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
-                                 bool two_inputs) {
+                                 bool two_inputs, long long rows) {
   if (!pipe_enabled() || !row_forward_enabled()) return PipeGeometry{};
   const long long nvec = (H + vec - 1) / vec;
+  if (override_threads > 0) return with_passes(override_threads, H, vec);
   const long long per_thread = two_inputs ? 2 : 4;
-  long long threads = override_threads > 0 ? override_threads : next_pow2(nvec) / per_thread;
-  if (override_threads <= 0 && threads > 256) threads = 256;  // then more passes
-  return with_passes(threads < 1 ? 1 : threads, H, vec);
+  long long threads = next_pow2(nvec) / per_thread;
+  if (threads > 256) threads = 256;  // then more passes
+  if (threads < 1) threads = 1;
+  const long long one_vector = next_pow2(nvec) < 256 ? next_pow2(nvec) : 256;
+  const long long resident_half = static_cast<long long>(device_sms()) * 1024;
+  while (threads < one_vector && rows * threads * 2 <= resident_half) threads *= 2;
+  return with_passes(threads, H, vec);
+}
+
+// Threads per block of the one-row forward: one team for teams of 64 and more
+// lanes; for smaller teams (sharing warps) 256 threads, or one warp where the
+// launch runs many waves: its teams' threads at least 8 times the device's
+// resident threads (SMs x 2048). H200, q/k rows of 256 bf16 (teams of 8),
+// 524288 rows: 141.0 us in one-warp blocks against 145.7 in 256-thread ones
+// (bench/results/sweeps/fused_from_sum_rowblock.json); 16384 rows: 10.4 against
+// 9.3, and 4096 rows with the small-row teams of 32 lanes: 8.2 against 6.5
+// (bench/results/sweeps/small_rows.json). NORMSPEC_ROW_BLOCK overrides.
+inline int row_block(const PipeGeometry& g, long long rows) {
+  if (g.team_log > 5) return 1 << g.team_log;
+  if (row_block_override()) return row_block_override();
+  const long long waves8 = static_cast<long long>(device_sms()) * 2048 * 8;
+  return (rows << g.team_log) >= waves8 ? 32 : 256;
 }
 
 // Multiprocessors of the current device, cached per device (132, an H100/H200,
@@ -503,7 +531,7 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
 template <int OP, typename T, int NP, int FULL_TL>
 void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   const void* w = pipe_weight(a);
-  const int block = g.team_log <= 5 && row_block_override() ? row_block_override() : g.block();
+  const int block = row_block(g, a.rows);
   const unsigned grid = grid_for(a.rows, block >> g.team_log);
   normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
@@ -586,7 +614,8 @@ void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
 enum ForwardKind { FWD_REGISTER, FWD_ROW, FWD_PIPE };
 inline ForwardKind forward_kind(int op, bool bf16, const LaunchArgs& a, int vec) {
   if (!(a.flags & F_ALIGNED)) return FWD_REGISTER;
-  if (!wants_gate_table(op, bf16, a) && row_geometry(a.H, vec, forward_team_override(), op != OP_RMS).np > 0)
+  if (!wants_gate_table(op, bf16, a) &&
+      row_geometry(a.H, vec, forward_team_override(), op != OP_RMS, a.rows).np > 0)
     return FWD_ROW;
   if (pipe_geometry(a.H, vec, forward_team_override(), false).np > 0) return FWD_PIPE;
   return FWD_REGISTER;
@@ -597,7 +626,7 @@ void forward_t(const LaunchArgs& a, cudaStream_t stream) {
   const ForwardKind kind = forward_kind(OP, IsBf16<T>::value, a, VecOf<T>::value);
   if (kind == FWD_ROW) {
     const PipeGeometry rg =
-        row_geometry(a.H, VecOf<T>::value, forward_team_override(), OP != OP_RMS);
+        row_geometry(a.H, VecOf<T>::value, forward_team_override(), OP != OP_RMS, a.rows);
     switch (rg.np) {
       case 1:
         return forward_row_t<OP, T, 1>(a, rg, stream);

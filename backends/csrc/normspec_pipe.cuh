@@ -596,6 +596,13 @@ __global__ void __launch_bounds__(256)
       if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
     }
   }
+  // One pass (the small-row geometry, few rows in flight): the weight's load is issued
+  // with the row's, not after the reduction, so that a latency-bound launch waits
+  // for memory once. More passes would hold NP * VEC more registers in every thread.
+  float g1[NP == 1 ? VEC : 1];
+  if constexpr (NP == 1) {
+    if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
+  }
   // a team past the last row still joins the shuffles (and the barrier)
   const float rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
@@ -605,7 +612,12 @@ __global__ void __launch_bounds__(256)
     const int col = p * S + tcol;
     if (col < Hc) {
       float g[VEC];
-      weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
+      if constexpr (NP == 1) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = g1[j];
+      } else {
+        weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
+      }
       forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
                             OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
     }
