@@ -5,9 +5,10 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
-#   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py)
+#   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
+#   BACKWARD=1 adds the gated backward to the ncu stages)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -61,6 +62,11 @@ for s in $stages; do
       run ${NCU_LIMIT:-240} ncu-peers env OUT="$OUT/ncu" PEERS=1 bash scripts/ncu_profile.sh
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu_peers.csv" "bench/results/ncu/torch_compile_${gpu}.csv" 2>/dev/null ;;
+    ncu-fla)  # FLA's rms and gated norm kernels (BACKWARD=1 for the gated backward too)
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      run ${NCU_LIMIT:-240} ncu-fla env OUT="$OUT/ncu" FLA=1 bash scripts/ncu_profile.sh
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
+      cp "$OUT/ncu/ncu_fla.csv" "bench/results/ncu/fla_${gpu}.csv" 2>/dev/null ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac

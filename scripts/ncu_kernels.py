@@ -3,9 +3,12 @@ then the round that ``ncu`` profiles (between ``torch.cuda.profiler.start`` and
 ``stop``; ncu runs with ``--profile-from-start off``).
 
 Default: our kernels (rms forward and backward 32768 x 2048, q/k forward 524288 x 256,
-gated forward 2^21 x 128). ``--peers``: the same forwards through ``torch.compile`` of
-the transformers modules (Qwen3-Next's RMSNorm and gated RMSNorm), whose triton kernels
-are the ones to compare with (the warm-up round compiles and tunes them)."""
+gated forward 2^21 x 128; with ``--backward`` also the gated backward (vllm) and the
+fused forward and backward 32768 x 2048). ``--peers``: the same work through
+``torch.compile`` of the transformers modules (Qwen3-Next's RMSNorm and gated RMSNorm),
+whose triton kernels are the ones to compare with (the warm-up round compiles and tunes
+them). ``--fla``: FLA's rms norm forward and its gated norm forward (and backward with
+``--backward``), the fastest gated backward in the bench."""
 
 from __future__ import annotations
 
@@ -18,7 +21,18 @@ EPS = 1e-6
 BF16 = torch.bfloat16
 
 
-def ours() -> Callable[[], None]:
+def _gated_inputs(g: torch.Generator, grad: bool):
+    x = torch.randn(2**21, 128, device="cuda", generator=g).to(BF16).requires_grad_(grad)
+    z = torch.randn(2**21, 128, device="cuda", generator=g).to(BF16).requires_grad_(grad)
+    w = torch.ones(128, device="cuda", dtype=BF16).requires_grad_(grad)
+    return x, z, w
+
+
+def _backward(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    torch.autograd.grad(out, inputs, torch.randn_like(out))
+
+
+def ours(backward: bool = False) -> Callable[[], None]:
     from normspec.backends import torch_ext as te
 
     te.build(verbose=False)
@@ -38,11 +52,40 @@ def ours() -> Callable[[], None]:
         wg = torch.ones(128, device="cuda", dtype=BF16)
         with torch.no_grad():
             te.rms_norm_gated(xg, z, wg, eps=EPS, convention="vllm")
+        if backward:
+            del xg, z
+            xg, z, wg = _gated_inputs(g, True)
+            _backward(te.rms_norm_gated(xg, z, wg, eps=EPS, convention="vllm"), [xg, z, wg])
+            del xg, z
+            xf = torch.randn(32768, 2048, device="cuda", generator=g).to(BF16).requires_grad_()
+            rf = torch.randn_like(xf).requires_grad_()
+            y, new_res = te.fused_add_rms_norm(xf, rf, w, eps=EPS, offset=1.0,
+                                               residual_sum="rounded")
+            torch.autograd.grad([y, new_res], [xf, rf, w],
+                                [torch.randn_like(y), torch.randn_like(new_res)])
 
     return one_round
 
 
-def peers() -> Callable[[], None]:
+def fla(backward: bool = False) -> Callable[[], None]:
+    from fla.modules.fused_norm_gate import rms_norm_gated
+    from fla.modules.layernorm import rms_norm
+
+    def one_round() -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            x = torch.randn(32768, 2048, device="cuda", generator=g).to(BF16)
+            rms_norm(x, torch.ones(2048, device="cuda", dtype=BF16), None, eps=EPS)
+            del x
+        xg, z, wg = _gated_inputs(g, backward)
+        out = rms_norm_gated(xg, z, wg, None, activation="swish", eps=EPS)
+        if backward:
+            _backward(out, [xg, z, wg])
+
+    return one_round
+
+
+def peers(backward: bool = False) -> Callable[[], None]:
     from transformers.models.qwen3_next.modeling_qwen3_next import (
         Qwen3NextRMSNorm,
         Qwen3NextRMSNormGated,
@@ -59,16 +102,25 @@ def peers() -> Callable[[], None]:
             qk(torch.randn(524288, 256, device="cuda", generator=g).to(BF16))
             xg = torch.randn(2**21, 128, device="cuda", generator=g).to(BF16)
             gated(xg, torch.randn_like(xg))
+        if backward:
+            del xg
+            xg, z, _ = _gated_inputs(g, True)
+            _backward(gated(xg, z), [xg, z, *gated.parameters()])
 
     return one_round
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", action="store_true",
-                   help="torch.compile of the transformers modules instead of ours")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--peers", action="store_true",
+                     help="torch.compile of the transformers modules instead of ours")
+    who.add_argument("--fla", action="store_true", help="FLA's kernels instead of ours")
+    p.add_argument("--backward", action="store_true",
+                   help="also the gated backward (and our fused forward and backward)")
     args = p.parse_args(argv)
-    one_round = peers() if args.peers else ours()
+    make = peers if args.peers else fla if args.fla else ours
+    one_round = make(args.backward)
     one_round()  # warm-up: builds, compiles, tunes
     torch.cuda.synchronize()
     torch.cuda.profiler.start()

@@ -4,17 +4,22 @@
 # 2^21 x 128): speed of light,
 # occupancy, launch statistics and warp stall reasons, as CSV under $OUT (default .).
 # PEERS=1: the same forwards through torch.compile of the transformers modules (their
-# triton kernels), into $OUT/ncu_peers.csv, to compare with ours.
+# triton kernels), into $OUT/ncu_peers.csv, to compare with ours; FLA=1: FLA's rms and
+# gated norm kernels, into $OUT/ncu_fla.csv. BACKWARD=1: also the gated backward (and
+# our fused forward and backward), see scripts/ncu_kernels.py.
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
   filter='regex:triton_'; args=--peers; csv="$OUT/ncu_peers.csv"
+elif [ "${FLA:-0}" = 1 ]; then
+  filter='regex:layer_norm'; args=--fla; csv="$OUT/ncu_fla.csv"
 else
   normspec build > "$OUT/ncu-build.log" 2>&1
   filter='regex:normspec_(fwd|bwd)_(pipe|row)'; args=; csv="$OUT/ncu.csv"
 fi
+[ "${BACKWARD:-0}" = 1 ] && args="$args --backward"
 ncu --clock-control none --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
