@@ -8,20 +8,23 @@ spec, forward and backward. The extension is compiled on first use (or ahead
 of time by ``normspec build``; the CUDA kernels of each dtype are a translation
 unit of their own, compiled in parallel) and cached.
 
-CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at
-most 1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the
-*pipelined* kernels. The forward gives each team one row and no loop (the block
-scheduler streams the rows; weight factors from L1), except where the gate
-table is used. The backward (and the forward with the gate table) runs
-persistent teams that keep the weight factors in shared memory, load the next
-row while reducing the current one, and keep the backward's dweight stacks in
-shared memory. Large bf16 gated launches (at least
-2**20 elements) also evaluate the gate's activation (and its derivative) once
-per block into a shared-memory table for the 8192 bf16 gates with magnitude in
-[2**-24, 2**8), with the declared functions themselves, and evaluate the other
-gates directly. Other rows (unaligned views, longer rows) run on the register
-and streaming kernels, which the CuPy backend shares. Every geometry gives the
-same bits; these variables only change speed (read once per process):
+CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at most
+1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the *pipelined*
+kernels. The forward gives each team one row and no loop (the block scheduler
+streams the rows; weight factors from L1), except where the gate table is used. A
+launch too small to fill the GPU gets wider teams, down to one vector per thread, so
+that one row's latency is shorter: the team doubles while the teams' threads stay
+within half the device's resident threads (on an H200, rows of 2048 bf16 run 64
+lanes from 1057 rows on, 128 from 529 and 256 below). The backward (and the forward
+with the gate table) runs persistent teams that keep the weight factors in shared
+memory, load the next row while reducing the current one, and keep the backward's
+dweight stacks in shared memory. Large bf16 gated launches (at least 2**20 elements)
+also evaluate the gate's activation (and its derivative) once per block into a
+shared-memory table for the 8192 bf16 gates with magnitude in [2**-24, 2**8), with
+the declared functions themselves, and evaluate the other gates directly. Other rows
+(unaligned views, longer rows) run on the register and streaming kernels, which the
+CuPy backend shares. Every geometry gives the same bits; these variables only change
+speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
 * ``NORMSPEC_FWD_ROW=0``: the persistent forward instead of one row per team;
@@ -34,7 +37,8 @@ same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_SAVED_RSTD=0``: the pipelined backward recomputes rstd even where the
   forward's is given;
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
-  have at most 32 lanes (a power of two, 32..256; default 256).
+  have at most 32 lanes (a power of two, 32..256; default 256, or one warp for
+  launches of at least 8 waves of the device's resident threads).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
