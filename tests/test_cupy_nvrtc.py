@@ -209,11 +209,13 @@ int main() {
       PipeGeometry g = pipe_geometry(H, vec, 0, bwd);
       printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
     }
-    for (int two : {0, 1}) {
-      PipeGeometry r = row_geometry(H, vec, 0, two);
-      printf("R %lld %d %d %d %d\n", H, vec, two, r.team_log, r.np);
+    for (int two : {0, 1}) for (long long R : Rs) {
+      PipeGeometry r = row_geometry(H, vec, 0, two, R);
+      printf("R %lld %d %d %lld %d %d %d\n", H, vec, two, R, r.team_log, r.np,
+             r.np ? row_block(r, R) : 0);
     }
   }
+  printf("S %d\n", device_sms());
   // the stack depth cap under the shared-memory limits of other GPUs
   for (int tl = 0; tl <= 8; ++tl) for (int np : {1, 2, 4}) for (int vec : {4, 8})
     for (int optin : {232448, 101376, 65536, 49152}) {
@@ -248,16 +250,28 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     return team.bit_length() - 1, np_
 
 
-def row_default(hidden: int, vec: int, two_inputs: bool) -> tuple[int, int]:
+def row_default(hidden: int, vec: int, two_inputs: bool, rows: int,
+                sms: int) -> tuple[int, int]:
     """(team_log, NP) of the one-row-per-team forward: four vectors per thread for the rms
-    norm, two for the ops with two row tensors (teams of 1..256 threads), (0, 0) for rows
-    of more than 1024 vectors."""
+    norm, two for the ops with two row tensors (teams of 1..256 threads); few rows double
+    the team (up to one vector per thread, 256 threads) while rows x team x 2 stays within
+    sms x 1024; (0, 0) for rows of more than 1024 vectors."""
     nvec = -(-hidden // vec)
     if nvec > 1024:
         return 0, 0
     team = min(256, max(1, cb.next_pow2(nvec) // (2 if two_inputs else 4)))
+    while team < min(256, cb.next_pow2(nvec)) and rows * team * 2 <= sms * 1024:
+        team *= 2
     np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
     return team.bit_length() - 1, np_
+
+
+def row_block(team_log: int, rows: int, sms: int) -> int:
+    """Threads per block of the one-row forward: the team from 64 lanes on; for smaller
+    teams 256, or one warp where the teams' threads reach 8 waves (sms x 2048 x 8)."""
+    if team_log > 5:
+        return 1 << team_log
+    return 32 if rows << team_log >= sms * 2048 * 8 else 256
 
 
 def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups, *, line):
@@ -304,6 +318,8 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
+    sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
     n = 0
     for line in out.splitlines():
         kind, *v = line.split()
@@ -321,9 +337,12 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             hidden, vec, bwd, team_log, np_ = v
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
         elif kind == "R":
-            hidden, vec, two, team_log, np_ = v
-            assert (team_log, np_) == row_default(hidden, vec, bool(two)), line
+            hidden, vec, two, rows, team_log, np_, block = v
+            assert (team_log, np_) == row_default(hidden, vec, bool(two), rows, sms), line
             assert np_ == 0 or (1 << team_log) * np_ * vec >= hidden, line
+            assert np_ == 0 or block == row_block(team_log, rows, sms), line
+        elif kind == "S":
+            assert sms > 0, line
         elif kind == "M":
             check_stack_cap(*v, line=line)
         elif kind == "C":
