@@ -552,6 +552,17 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
         }))
       return;
   }
+  // The small-row geometry (one vector per thread, teams of 16..256 lanes) of
+  // power-of-two rows (128..2048 bf16, 64..1024 fp32 elements): these launches are
+  // bound by one row's latency, which the constant forms shorten (bf16 rms: 312 SASS
+  // instructions against 696 for the general form).
+  if constexpr (NP == 1) {
+    if (full_row_forms_enabled() && fills_team<T, 1>(a.H, g.team_log) &&
+        with_team_log<4, 8>(g.team_log, [&](auto tl) {
+          launch_row<OP, T, 1, decltype(tl)::value>(a, g, stream);
+        }))
+      return;
+  }
   launch_row<OP, T, NP, -1>(a, g, stream);
 }
 

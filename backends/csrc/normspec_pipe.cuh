@@ -234,7 +234,21 @@ __device__ __forceinline__ float sum_sq_masked(const float (&v)[VEC], int col, i
   return local_tree<VEC>(a, P);
 }
 
-// rstd of the row whose raw vectors the team holds (every lane gets it).
+// rstd of the row whose values the norm reads (v[p]: pass p) the team holds
+// (every lane gets it).
+template <int NP, int VEC>
+__device__ __forceinline__ float row_rstd_of(const float (&v)[NP][VEC], int tcol, int S, int H,
+                                             int P, float eps, int team_log, float* red) {
+  float part[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) part[p] = sum_sq_masked<VEC>(v[p], p * S + tcol, H, P);
+  team_reduce_pipe<NP, VEC>(part, P, team_log, red);
+  return rstd_from_ss(fold_passes<NP>(part, S, P), H, eps);
+}
+
+// rstd of the row whose raw vectors the team holds (every lane gets it): the same
+// steps as row_rstd_of, each pass's values formed and dropped in turn (the persistent
+// kernels' register budget was measured with this form).
 template <int OP, typename T, int NP>
 __device__ __forceinline__ float row_rstd(const uint4 (&rx)[NP], const uint4 (&rr)[NP], int flags,
                                           int tcol, int S, int H, int P,
@@ -431,18 +445,18 @@ __device__ __forceinline__ Act act_grad_from_table(const float2* __restrict__ ta
   return a;
 }
 
-// One output vector from the raw x and residual / gate vectors, rstd and the
-// VEC weight factors g: y, and for the fused op the new residual. The gated
-// op reads act(z) from the gate table when `table` is set.
+// One output vector from v, the values the norm reads (norm_input_raw of the raw x
+// and residual / gate vectors), the raw gate vector rr (the gated op), rstd and the
+// VEC weight factors g: y, and for the fused op the new residual. The gated op
+// reads act(z) from the gate table when `table` is set.
 template <int OP, typename T>
-__device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr, int flags,
-                                               float rstd, const float (&g)[VecOf<T>::value],
-                                               bool table, const float* __restrict__ tab,
-                                               T* __restrict__ yrow, T* __restrict__ y2row,
-                                               int col, int H) {
+__device__ __forceinline__ void forward_of(const float (&v)[VecOf<T>::value], const uint4& rr,
+                                           int flags, float rstd,
+                                           const float (&g)[VecOf<T>::value], bool table,
+                                           const float* __restrict__ tab, T* __restrict__ yrow,
+                                           T* __restrict__ y2row, int col, int H) {
   constexpr int VEC = VecOf<T>::value;
-  float v[VEC], out[VEC];
-  norm_input_raw<OP, T>(rx, rr, flags, v);
+  float out[VEC];
   if constexpr (OP == OP_GATED) {
     const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
     float z[VEC], act[VEC];
@@ -462,6 +476,18 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
   }
   store_row<T>(yrow, col, H, out);
   if constexpr (OP == OP_FUSED) store_row<T>(y2row, col, H, v);
+}
+
+// The same from the raw vectors.
+template <int OP, typename T>
+__device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr, int flags,
+                                               float rstd, const float (&g)[VecOf<T>::value],
+                                               bool table, const float* __restrict__ tab,
+                                               T* __restrict__ yrow, T* __restrict__ y2row,
+                                               int col, int H) {
+  float v[VecOf<T>::value];
+  norm_input_raw<OP, T>(rx, rr, flags, v);
+  forward_of<OP, T>(v, rr, flags, rstd, g, table, tab, yrow, y2row, col, H);
 }
 
 }  // namespace normspec
@@ -586,14 +612,20 @@ __global__ void __launch_bounds__(256)
   const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
+  // The lane's own pointers, formed once, so that every pass's vector is an offset
+  // p * S from them (a constant in the constant-geometry forms): column p * S against
+  // H - tcol reads and writes the same elements, with the same bounds, as column
+  // p * S + tcol against H. The constant forms' vectors are all full, which the bound
+  // Hc (a constant) lets the compiler see.
+  const int Hl = FULL ? Hc : Hc - tcol;
   uint4 cx[NP], cr[NP];
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
     cx[p] = make_uint4(0u, 0u, 0u, 0u);
     cr[p] = cx[p];
     if (row < rows) {
-      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
-      if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
+      cx[p] = load_raw<T>(x + row * sx + tcol, p * S, Hl);
+      if (TWO) cr[p] = load_raw<T>(r + row * sr + tcol, p * S, Hl);
     }
   }
   // One pass (the small-row geometry, few rows in flight): the weight's load is issued
@@ -603,8 +635,16 @@ __global__ void __launch_bounds__(256)
   if constexpr (NP == 1) {
     if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
+  // The values the norm reads, formed once for the reduction and the output. For the
+  // two-input ops they take the registers of the raw x and residual / gate vectors
+  // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
+  // (half the registers) and unpacks it again for the output.
+  constexpr bool KEEP = TWO;
+  float v[NP][VEC];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) norm_input_raw<OP, T>(cx[p], cr[p], flags, v[p]);
   // a team past the last row still joins the shuffles (and the barrier)
-  const float rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red);
+  const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
   if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
 #pragma unroll
@@ -618,8 +658,13 @@ __global__ void __launch_bounds__(256)
       } else {
         weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
       }
-      forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
-                            OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
+      T* yl = y + row * sy + tcol;
+      T* y2l = OP == OP_FUSED ? y2 + row * sy2 + tcol : nullptr;
+      if constexpr (KEEP) {
+        forward_of<OP, T>(v[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
+      } else {
+        forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
+      }
     }
   }
 }
