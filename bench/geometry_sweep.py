@@ -398,7 +398,7 @@ def main(argv=None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--fwd", default="64,128,256,512,1024", help="NORMSPEC_FWD_TEAM values")
     p.add_argument("--bwd", default="64,128,256", help="NORMSPEC_BWD_TEAM values")
-    p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values")
+    p.add_argument("--glog", default="2,3,4,5", help="NORMSPEC_BWD_GLOG values (0..7)")
     p.add_argument("--teams", default="", help="values for both NORMSPEC_FWD_TEAM and "
                    "NORMSPEC_BWD_TEAM (1..256 reach the pipelined kernels)")
     p.add_argument("--only", default="", help="run only these candidates (comma-separated "

@@ -222,7 +222,8 @@ int main() {
       PipeGeometry g;
       g.team_log = tl;
       g.np = np;
-      printf("M %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin));
+      printf("M %d %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin),
+             pipe_forced_glog_cap(g, vec, optin));
     }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
   for (long long u : Rs)
@@ -290,18 +291,21 @@ def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, gr
     assert rows == 0 or (1 << glog) <= cb.next_pow2(rows), line
 
 
-def check_stack_cap(team_log, np_, vec, optin, glog, *, line):
-    """The deepest dweight stacks (glog <= 5) within 40 KiB whose stacks and weight
-    factors, with 2 KiB kept for static shared memory, fit the device's opt-in limit."""
+def check_stack_cap(team_log, np_, vec, optin, glog, forced, *, line):
+    """The plan's deepest dweight stacks (glog <= 5) within 40 KiB whose stacks and weight
+    factors, with 2 KiB kept for static shared memory, fit the device's opt-in limit; a
+    forced glog (NORMSPEC_BWD_GLOG) may go to 7 levels, within the opt-in limit alone."""
     block = 256 if team_log <= 5 else 1 << team_log
     weights = (np_ * vec * 4) << team_log
 
-    def fits(level):
+    def fits(level, budget=40960):
         stacks = level * np_ * vec * 4 * block
-        return stacks <= 40960 and stacks + weights + 2048 <= optin
+        return stacks <= budget and stacks + weights + 2048 <= optin
 
     assert 0 <= glog <= 5 and (glog == 0 or fits(glog)), line
     assert glog == 5 or not fits(glog + 1), line
+    assert glog <= forced <= 7 and (forced == 0 or fits(forced, optin)), line
+    assert forced == 7 or not fits(forced + 1, optin), line
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")

@@ -345,6 +345,7 @@ print("ok")
 
 OVERRIDES = [
     {"NORMSPEC_BWD_GLOG": "5"},
+    {"NORMSPEC_BWD_GLOG": "7"},  # deeper than the plan goes: up to the opt-in limit
     {"NORMSPEC_BWD_GLOG": "2", "NORMSPEC_FWD_TEAM": "64", "NORMSPEC_BWD_TEAM": "64"},
     {"NORMSPEC_FWD_TEAM": "128", "NORMSPEC_BWD_TEAM": "32", "NORMSPEC_BWD_GLOG": "0"},
     {"NORMSPEC_FWD_TEAM": "4", "NORMSPEC_BWD_TEAM": "8"},

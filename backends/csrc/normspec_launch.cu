@@ -75,7 +75,8 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   const int ml = pipe_max_glog(g, vec, device_smem_optin());
   const int forced = group_log_override();
   if (forced >= 0) {
-    plan.glog = forced < ml ? forced : ml;
+    const int cap = pipe_forced_glog_cap(g, vec, device_smem_optin());
+    plan.glog = forced < cap ? forced : cap;
   } else {
     // the largest groups (least workspace traffic) that leave a group for at
     // least half of the teams that fit on the device (measured on an H200:

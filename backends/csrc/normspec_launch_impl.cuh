@@ -111,14 +111,20 @@ inline int row_block_override() {
   return threads;
 }
 
-// NORMSPEC_BWD_GLOG=<0..5>: rows per dweight group (log2) of the pipelined
-// backward, capped by its shared memory (-1 = unset: the plan decides).
+// The deepest dweight stacks a launch may ask for (NORMSPEC_BWD_GLOG); the plan's
+// own choice stays within pipe_max_glog (five levels, 40 KiB).
+constexpr int MAX_FORCED_GLOG = 7;
+
+// NORMSPEC_BWD_GLOG=<0..7>: rows per dweight group (log2) of the pipelined
+// backward, capped by what its shared memory can hold (pipe_forced_glog_cap;
+// -1 = unset: the plan decides, within pipe_max_glog).
 inline int group_log_override() {
   static const int glog = [] {
     const char* s = std::getenv("NORMSPEC_BWD_GLOG");
     if (s == nullptr || *s == '\0') return -1;
-    if (s[1] == '\0' && s[0] >= '0' && s[0] <= '5') return s[0] - '0';
-    std::fprintf(stderr, "normspec: ignoring NORMSPEC_BWD_GLOG=%s (expected 0..5)\n", s);
+    if (s[1] == '\0' && s[0] >= '0' && s[0] <= '0' + MAX_FORCED_GLOG) return s[0] - '0';
+    std::fprintf(stderr, "normspec: ignoring NORMSPEC_BWD_GLOG=%s (expected 0..%d)\n", s,
+                 MAX_FORCED_GLOG);
     return -1;
   }();
   return glog;
@@ -400,13 +406,22 @@ inline size_t pipe_weight_bytes(const PipeGeometry& g, int vec) {
 // stacks and weight factors within what a block may opt in to (`optin` bytes:
 // 99 KiB on sm_86/89/120, 64 KiB on sm_75). The gate table is optional and is
 // left out at launch where it does not fit.
-inline int pipe_max_glog(const PipeGeometry& g, int vec, int optin) {
+inline int pipe_glog_cap(const PipeGeometry& g, int vec, int optin, int levels,
+                         size_t stack_budget) {
   const size_t weights = pipe_weight_bytes(g, vec);
   int l = 0;
-  while (l < 5 && pipe_stack_bytes(g, vec, l + 1) <= 40960 &&
+  while (l < levels && pipe_stack_bytes(g, vec, l + 1) <= stack_budget &&
          fits_smem(pipe_stack_bytes(g, vec, l + 1) + weights, optin))
     ++l;
   return l;
+}
+inline int pipe_max_glog(const PipeGeometry& g, int vec, int optin) {
+  return pipe_glog_cap(g, vec, optin, 5, 40960);
+}
+// A forced glog (NORMSPEC_BWD_GLOG) may go deeper, to what a block can opt in to:
+// fewer workspace rows at the cost of resident blocks, for sweeps to weigh.
+inline int pipe_forced_glog_cap(const PipeGeometry& g, int vec, int optin) {
+  return pipe_glog_cap(g, vec, optin, MAX_FORCED_GLOG, static_cast<size_t>(optin));
 }
 
 // The gate table (bf16 gates of launches with at least this many elements:
@@ -569,7 +584,7 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED>
 void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
   const void* w = pipe_weight(a);
-  static int occ[9][6][2] = {{{0}}};
+  static int occ[9][MAX_FORCED_GLOG + 1][2] = {{{0}}};
   PipeGeometry g;
   g.team_log = plan.team_log;
   g.np = plan.np;
