@@ -1,14 +1,18 @@
 """``normspec.backends.cupy_backend``: the first-party CUDA kernels through CuPy and NVRTC.
 
-The kernels are the torch extension's own: ``backends/csrc/normspec_kernels.cuh``
-(shipped as package data) is compiled as it is by NVRTC, lazily, one module per
-(operator, dtype) holding every template instantiation that module launches,
-cached on disk (next to CuPy's kernel cache) and memoised per process and
-device. The host launch logic of the register and streaming kernels
-(``normspec_launch_impl.cuh``: ``geometry``, ``backward_plan``) is mirrored in
-Python. The torch extension's faster *pipelined* kernels (``normspec_pipe.cuh``,
-used there for aligned rows) are not launched from here yet; both give the
-spec's bits.
+The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` and
+``normspec_kernels.cuh`` (shipped as package data) are compiled as they are by NVRTC,
+lazily, one module per (operator, dtype) holding every template instantiation that
+module launches, cached on disk (next to CuPy's kernel cache) and memoised per
+process and device. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
+in Python: the forward of aligned rows of at most 1024 vectors runs the one-row
+forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``), as in the
+torch extension, other rows and every backward the register and streaming kernels
+(``geometry``, ``backward_plan``). The torch extension's other pipelined kernels (the
+persistent forward with the gate table, the pipelined backward) are not launched
+from here yet; every kernel gives the spec's bits. ``NORMSPEC_PIPE=0`` or
+``NORMSPEC_FWD_ROW=0`` keep the forward on the register kernels, as they do in the
+torch extension.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
@@ -86,13 +90,17 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "row_block",
+    "row_forward_enabled",
+    "row_forward_launch",
+    "row_geometry",
 ]
 
 #: The directory of the CUDA sources (package data shared with the torch extension).
 CSRC = Path(__file__).resolve().parent / "csrc"
-KERNELS = "normspec_kernels.cuh"
+KERNELS = "normspec_pipe.cuh"
 #: Files whose contents key the compile cache.
-_SOURCES = ("normspec_kernels.cuh", "normspec_arith.h")
+_SOURCES = ("normspec_pipe.cuh", "normspec_kernels.cuh", "normspec_arith.h")
 
 #: NVRTC options: the IEEE settings of the torch extension's nvcc build
 #: (``backends/torch_ext/_build.py``: -fmad=false --ftz=false --prec-div=true
@@ -209,9 +217,64 @@ def col_tree_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int, int,
     return gout, clog, (grid_for(hidden, 256), min(gout, 65535), 1)
 
 
+def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int,
+                 sm_count: int) -> tuple[int, int]:
+    """``(team_log, NP)`` of the one-row forward (``normspec::row_geometry`` without an
+    override); ``(0, 0)`` for rows of more than 1024 vectors (not eligible).
+
+    Four vectors per thread for the rms norm and two for the ops with two row tensors
+    (at most 256 threads, then more passes); few rows double the team, up to one vector
+    per thread, while the teams' threads stay within ``sm_count * 1024``."""
+    nvec = (hidden + vec - 1) // vec
+    if nvec > 1024:
+        return 0, 0
+    threads = min(256, max(1, next_pow2(nvec) // (2 if two_inputs else 4)))
+    while threads < min(256, next_pow2(nvec)) and rows * threads * 2 <= sm_count * 1024:
+        threads *= 2
+    np_ = next(n for n in _NPS if n * threads * vec >= hidden)
+    return threads.bit_length() - 1, np_
+
+
+def row_block(team_log: int, rows: int, sm_count: int) -> int:
+    """Threads per block of the one-row forward (``normspec::row_block``): the team from
+    64 lanes on; smaller teams share 256-thread blocks, or one-warp blocks where the
+    launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``)."""
+    if team_log > 5:
+        return 1 << team_log
+    return 32 if rows << team_log >= sm_count * 2048 * 8 else 256
+
+
+def _row_default_np(op: int) -> int:
+    return 4 if op == OP_RMS else 2
+
+
+def row_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int
+                       ) -> tuple[str, tuple[int, int, int], tuple[int, int, int], int] | None:
+    """``(kernel name expression, grid, block, team_log)`` of the one-row forward for
+    aligned rows, ``None`` where it does not apply (rows longer than 1024 vectors).
+    Rows that fill the team exactly with the default passes run the constant-geometry
+    form (``FULL_TL = team_log``, ``forward_row_t``)."""
+    vec = vec_of(dtype_code)
+    team_log, np_ = row_geometry(hidden, vec, op != OP_RMS, rows, sm_count)
+    if np_ == 0:
+        return None
+    full = (np_ == _row_default_np(op) and 1 <= team_log <= 8
+            and hidden == (np_ * vec) << team_log)
+    block = row_block(team_log, rows, sm_count)
+    name = (f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
+            f"{team_log if full else -1}>")
+    return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
+
+
+def row_forward_enabled() -> bool:
+    """Whether aligned rows may run the one-row forward (``NORMSPEC_PIPE=0`` or
+    ``NORMSPEC_FWD_ROW=0`` say no, as in the torch extension; read at each call)."""
+    return os.environ.get("NORMSPEC_PIPE") != "0" and os.environ.get("NORMSPEC_FWD_ROW") != "0"
+
+
 def forward_launch(op: int, dtype_code: int, rows: int, hidden: int
                    ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
-    """``(kernel name expression, grid, block)`` of the forward."""
+    """``(kernel name expression, grid, block)`` of the register or streaming forward."""
     threads, np_ = forward_geometry(hidden, vec_of(dtype_code))
     t = CUDA_TYPES[dtype_code]
     if np_ == 0:
@@ -237,7 +300,10 @@ def backward_launch(op: int, dtype_code: int, rows: int, hidden: int, groups: in
 def name_expressions(op: int, dtype_code: int) -> list[str]:
     """Every instantiation one (op, dtype) module holds (all the launchers can pick)."""
     t = CUDA_TYPES[dtype_code]
+    dnp = _row_default_np(op)
     return [
+        *(f"normspec_fwd_row_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
+        *(f"normspec_fwd_row_kernel<{op}, {t}, {dnp}, {tl}>" for tl in range(1, 9)),
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
         *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
@@ -812,10 +878,17 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   sy2=hidden if op == OP_FUSED else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)
-        name, grid, block = forward_launch(op, dt, nrows, hidden)
-        fn = _kernel(side.dev, op, dt, name)
         args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
-        _launch(fn, grid, block, (*args, np.uint64(0)))  # rstd_out: not kept here
+        row = (row_forward_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
+               if a.flags & F_ALIGNED and row_forward_enabled() else None)
+        if row is not None:
+            name, grid, block, team_log = row
+            # the one-row kernel also takes the team size (log2); rstd_out: not kept here
+            _launch(_kernel(side.dev, op, dt, name), grid, block,
+                    (*args, np.int32(team_log), np.uint64(0)))
+        else:
+            name, grid, block = forward_launch(op, dt, nrows, hidden)
+            _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, np.uint64(0)))
         del keep, w32
         return tuple(o for o, _ in outs)
 

@@ -184,6 +184,32 @@ def test_large_shapes(op, params, shape, ext):
     check_cupy(op, params, shape, torch.float16, torch.float16, 2)
 
 
+@pytest.mark.parametrize("fwd_row", ["1", "0"], ids=["one-row forward", "register forward"])
+def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
+    """Aligned rows of at most 1024 vectors run the one-row forward (as in the torch
+    extension), with NORMSPEC_FWD_ROW=0 the register forward: both give the spec's bits,
+    at few rows (wider teams), at full launches (the constant forms) and on ragged rows."""
+    monkeypatch.setenv("NORMSPEC_FWD_ROW", fwd_row)
+    picked = []
+    real = cb.row_forward_launch
+
+    def spy(*args):
+        picked.append(real(*args))
+        return picked[-1]
+
+    monkeypatch.setattr(cb, "row_forward_launch", spy)
+    for seed, shape in enumerate([(1, 2048), (64, 2048), (4096, 2048), (20000, 256),
+                                  (333, 1003), (7, 8)]):
+        for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
+            check_torch(op, params, shape, torch.bfloat16, torch.float32, seed, ext=ext)
+    if fwd_row == "1":
+        assert picked and all(p is not None for p in picked)
+        assert any(p[0].endswith(", -1>") for p in picked)  # the general form
+        assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
+    else:
+        assert picked == []
+
+
 def test_many_rows_dweight_tree(ext):
     # many groups in the workspace, several col-tree levels, a non-power-of-two row count
     check_torch("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,

@@ -158,10 +158,50 @@ def test_launch_shapes():
     for op in (0, 1, 2):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            assert len(names) == len(set(names)) == 9
+            assert len(names) == len(set(names)) == 20
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
+                for rows in (1, 64, 4096, 2**20):
+                    row = cb.row_forward_launch(op, dt, rows, hidden, 132)
+                    assert row is None or row[0] in names, (op, dt, rows, hidden)
+
+
+@pytest.mark.parametrize("op,dt,rows,hidden,want", [
+    # the bench's large shapes on an H200 (132 SMs): the default teams, constant forms
+    (cb.OP_RMS, cb.DT_BF16, 32768, 2048,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>", (32768, 1, 1), (64, 1, 1), 6)),
+    (cb.OP_RMS, cb.DT_BF16, 524288, 256,  # 8 waves of teams of 8 lanes: one-warp blocks
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (131072, 1, 1), (32, 1, 1), 3)),
+    (cb.OP_RMS, cb.DT_BF16, 16384, 256,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (512, 1, 1), (256, 1, 1), 3)),
+    (cb.OP_FUSED, cb.DT_BF16, 32768, 2048,
+     ("normspec_fwd_row_kernel<1, __nv_bfloat16, 2, 7>", (32768, 1, 1), (128, 1, 1), 7)),
+    # few rows: one vector per thread, the general form
+    (cb.OP_RMS, cb.DT_BF16, 64, 2048,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, -1>", (64, 1, 1), (256, 1, 1), 8)),
+    (cb.OP_GATED, cb.DT_F32, 1, 128,
+     ("normspec_fwd_row_kernel<2, float, 1, -1>", (1, 1, 1), (256, 1, 1), 5)),
+    # rows that do not fill the team: the general form
+    (cb.OP_RMS, cb.DT_F16, 100000, 1003,
+     ("normspec_fwd_row_kernel<0, __half, 4, -1>", (100000, 1, 1), (32, 1, 1), 5)),
+    # more than 1024 vectors: not the one-row forward
+    (cb.OP_RMS, cb.DT_BF16, 64, 8200, None),
+    (cb.OP_FUSED, cb.DT_F32, 64, 4100, None),
+])
+def test_row_forward_launch(op, dt, rows, hidden, want):
+    assert cb.row_forward_launch(op, dt, rows, hidden, 132) == want
+
+
+def test_row_forward_switches(monkeypatch):
+    monkeypatch.delenv("NORMSPEC_PIPE", raising=False)
+    monkeypatch.delenv("NORMSPEC_FWD_ROW", raising=False)
+    assert cb.row_forward_enabled()
+    for var in ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW"):
+        monkeypatch.setenv(var, "0")
+        assert not cb.row_forward_enabled(), var
+        monkeypatch.setenv(var, "1")
+        assert cb.row_forward_enabled(), var
 
 
 def _nvcc() -> str | None:
@@ -251,30 +291,6 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     return team.bit_length() - 1, np_
 
 
-def row_default(hidden: int, vec: int, two_inputs: bool, rows: int,
-                sms: int) -> tuple[int, int]:
-    """(team_log, NP) of the one-row-per-team forward: four vectors per thread for the rms
-    norm, two for the ops with two row tensors (teams of 1..256 threads); few rows double
-    the team (up to one vector per thread, 256 threads) while rows x team x 2 stays within
-    sms x 1024; (0, 0) for rows of more than 1024 vectors."""
-    nvec = -(-hidden // vec)
-    if nvec > 1024:
-        return 0, 0
-    team = min(256, max(1, cb.next_pow2(nvec) // (2 if two_inputs else 4)))
-    while team < min(256, cb.next_pow2(nvec)) and rows * team * 2 <= sms * 1024:
-        team *= 2
-    np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
-    return team.bit_length() - 1, np_
-
-
-def row_block(team_log: int, rows: int, sms: int) -> int:
-    """Threads per block of the one-row forward: the team from 64 lanes on; for smaller
-    teams 256, or one warp where the teams' threads reach 8 waves (sms x 2048 x 8)."""
-    if team_log > 5:
-        return 1 << team_log
-    return 32 if rows << team_log >= sms * 2048 * 8 else 256
-
-
 def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups, *, line):
     """The pipelined backward's plan: its geometry, a shared-memory budget of 40 KiB per
     block for the dweight stacks, and groups that cover the rows; unaligned rows keep the
@@ -342,9 +358,10 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
         elif kind == "R":
             hidden, vec, two, rows, team_log, np_, block = v
-            assert (team_log, np_) == row_default(hidden, vec, bool(two), rows, sms), line
+            # the CuPy backend's mirror of the one-row forward's launch
+            assert (team_log, np_) == cb.row_geometry(hidden, vec, bool(two), rows, sms), line
             assert np_ == 0 or (1 << team_log) * np_ * vec >= hidden, line
-            assert np_ == 0 or block == row_block(team_log, rows, sms), line
+            assert np_ == 0 or block == cb.row_block(team_log, rows, sms), line
         elif kind == "S":
             assert sms > 0, line
         elif kind == "M":
@@ -381,9 +398,12 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     # the lowered names carry the argument types the launcher packs
     # 5 pointers, 6 long long, 2 float, int, rstd_out (the launcher packs a null pointer)
     fwd = "PKT0_S[0-9]_PKfPS[0-9]_S[0-9]_xxxxxxffiPf$"
+    row = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPf$"  # + the weight as void*, team_log
     bwd = "Pfxxxxxxxxffii$"  # ws, 8 long long, eps, offset, flags, glog
     for name, low in mapping.items():
-        if name.startswith("normspec_fwd"):
+        if name.startswith("normspec_fwd_row"):
+            assert re.search(row, low), (name, low)
+        elif name.startswith("normspec_fwd"):
             assert re.search(fwd, low), (name, low)
         elif name.startswith("normspec_bwd_kernel"):
             assert re.search(bwd, low), (name, low)

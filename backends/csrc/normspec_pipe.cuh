@@ -700,7 +700,7 @@ __global__ void __launch_bounds__(256)
 // without spills (two passes: 128 registers; the rms norm's one pass: 64). The
 // fused and gated one-pass forms would spill at 64, so they keep their budget.
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED>
-constexpr int bwd_min_blocks() {
+__host__ __device__ constexpr int bwd_min_blocks() {
   if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return NORMSPEC_BWD_MIN_BLOCKS;
   if (NP == 2) return 2;
   return OP == normspec::OP_RMS ? 4 : NORMSPEC_BWD_MIN_BLOCKS;

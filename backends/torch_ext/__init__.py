@@ -23,8 +23,8 @@ also evaluate the gate's activation (and its derivative) once per block into a
 shared-memory table for the 8192 bf16 gates with magnitude in [2**-24, 2**8), with
 the declared functions themselves, and evaluate the other gates directly. Other rows
 (unaligned views, longer rows) run on the register and streaming kernels, which the
-CuPy backend shares. Every geometry gives the same bits; these variables only change
-speed (read once per process):
+CuPy backend shares (it also runs the one-row forward). Every geometry gives the
+same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
 * ``NORMSPEC_FWD_ROW=0``: the persistent forward instead of one row per team;
