@@ -83,6 +83,7 @@ __all__ = [
     "compile_kernels",
     "cupy_stream_of",
     "forward_geometry",
+    "full_row_forms_enabled",
     "fused_add_rms_norm",
     "fused_add_rms_norm_backward",
     "name_expressions",
@@ -252,18 +253,26 @@ def row_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_coun
                        ) -> tuple[str, tuple[int, int, int], tuple[int, int, int], int] | None:
     """``(kernel name expression, grid, block, team_log)`` of the one-row forward for
     aligned rows, ``None`` where it does not apply (rows longer than 1024 vectors).
-    Rows that fill the team exactly with the default passes run the constant-geometry
-    form (``FULL_TL = team_log``, ``forward_row_t``)."""
+    Rows that fill the team exactly run the constant-geometry form (``FULL_TL =
+    team_log``, ``forward_row_t``): with the default passes (teams of 2..256 lanes) or
+    with one pass (the small-row teams of 16..256 lanes)."""
     vec = vec_of(dtype_code)
     team_log, np_ = row_geometry(hidden, vec, op != OP_RMS, rows, sm_count)
     if np_ == 0:
         return None
-    full = (np_ == _row_default_np(op) and 1 <= team_log <= 8
-            and hidden == (np_ * vec) << team_log)
+    full = (full_row_forms_enabled() and hidden == (np_ * vec) << team_log
+            and ((np_ == _row_default_np(op) and 1 <= team_log <= 8)
+                 or (np_ == 1 and 4 <= team_log <= 8)))
     block = row_block(team_log, rows, sm_count)
     name = (f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
             f"{team_log if full else -1}>")
     return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
+
+
+def full_row_forms_enabled() -> bool:
+    """Whether rows that fill the team run the constant-geometry forms
+    (``NORMSPEC_FULL_ROW=0`` says no, as in the torch extension; read at each call)."""
+    return os.environ.get("NORMSPEC_FULL_ROW") != "0"
 
 
 def row_forward_enabled() -> bool:
@@ -304,6 +313,7 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
     return [
         *(f"normspec_fwd_row_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
         *(f"normspec_fwd_row_kernel<{op}, {t}, {dnp}, {tl}>" for tl in range(1, 9)),
+        *(f"normspec_fwd_row_kernel<{op}, {t}, 1, {tl}>" for tl in range(4, 9)),
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
         *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),

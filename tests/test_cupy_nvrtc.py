@@ -158,7 +158,7 @@ def test_launch_shapes():
     for op in (0, 1, 2):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            assert len(names) == len(set(names)) == 20
+            assert len(names) == len(set(names)) == 25
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
@@ -177,11 +177,16 @@ def test_launch_shapes():
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (512, 1, 1), (256, 1, 1), 3)),
     (cb.OP_FUSED, cb.DT_BF16, 32768, 2048,
      ("normspec_fwd_row_kernel<1, __nv_bfloat16, 2, 7>", (32768, 1, 1), (128, 1, 1), 7)),
-    # few rows: one vector per thread, the general form
+    # few rows: one vector per thread; rows that fill the team run the one-pass constant
+    # forms (teams of 16..256 lanes), others the general form
     (cb.OP_RMS, cb.DT_BF16, 64, 2048,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, -1>", (64, 1, 1), (256, 1, 1), 8)),
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, 8>", (64, 1, 1), (256, 1, 1), 8)),
     (cb.OP_GATED, cb.DT_F32, 1, 128,
-     ("normspec_fwd_row_kernel<2, float, 1, -1>", (1, 1, 1), (256, 1, 1), 5)),
+     ("normspec_fwd_row_kernel<2, float, 1, 5>", (1, 1, 1), (256, 1, 1), 5)),
+    (cb.OP_GATED, cb.DT_BF16, 1, 64,  # a team of 8 lanes: no one-pass constant form
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 1, -1>", (1, 1, 1), (256, 1, 1), 3)),
+    (cb.OP_RMS, cb.DT_BF16, 64, 2000,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, -1>", (64, 1, 1), (256, 1, 1), 8)),
     # rows that do not fill the team: the general form
     (cb.OP_RMS, cb.DT_F16, 100000, 1003,
      ("normspec_fwd_row_kernel<0, __half, 4, -1>", (100000, 1, 1), (32, 1, 1), 5)),
@@ -202,6 +207,11 @@ def test_row_forward_switches(monkeypatch):
         assert not cb.row_forward_enabled(), var
         monkeypatch.setenv(var, "1")
         assert cb.row_forward_enabled(), var
+    monkeypatch.delenv("NORMSPEC_FULL_ROW", raising=False)
+    assert cb.row_forward_launch(cb.OP_RMS, cb.DT_BF16, 64, 2048, 132)[0].endswith("1, 8>")
+    monkeypatch.setenv("NORMSPEC_FULL_ROW", "0")
+    assert not cb.full_row_forms_enabled()
+    assert cb.row_forward_launch(cb.OP_RMS, cb.DT_BF16, 64, 2048, 132)[0].endswith("1, -1>")
 
 
 def _nvcc() -> str | None:
