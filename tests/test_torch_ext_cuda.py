@@ -301,29 +301,37 @@ def test_opcheck_cuda():
                           (sb, sb.clone(), sb.clone(), w.detach(), 1e-6, 1.0, "rounded"))
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
+@pytest.mark.parametrize("hidden", [128, 256])
 @pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
                          ids=lambda p: f"{p['convention']},{p['activation']}")
-def test_every_bf16_gate_through_the_gate_table(params):
+def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
     """Large bf16 gated launches read act(z) and act'(z) from a table in shared memory
     for |z| in [2**-24, 2**8) and evaluate the rest directly: every one of the 2**16 bf16
     gates (zeros, subnormals, both table edges, inf and NaN included), in a launch big
-    enough to use the table, gives the spec's bits forward and backward."""
+    enough to use the table, gives the spec's bits forward and backward. The backward
+    runs with the saved rstd too: rows of 128 and 256 then take the kernels with the
+    convention as constants (one per convention and weight dtype)."""
     gen = torch.Generator().manual_seed(11)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     gates = every.view(torch.bfloat16)
-    gate = gates[torch.randperm(gates.numel(), generator=gen)].repeat(16).view(8192, 128)
-    x = torch.randn(8192, 128, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(128, generator=gen) * 0.1 + 1.0).to(torch.float32)
-    dy = torch.randn(8192, 128, generator=gen).to(torch.bfloat16)
+    rows_n = 2**20 // hidden
+    gate = gates[torch.randperm(gates.numel(), generator=gen)].repeat(16).view(rows_n, hidden)
+    x = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(hidden, generator=gen) * 0.1 + 1.0).to(wdtype)
+    dy = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
     rows = {"x": x, "gate": gate}
     want = spec_forward("rms_norm_gated", rows, weight, EPS, params)
     crows = {k: v.cuda() for k, v in rows.items()}
     got = ext_forward("rms_norm_gated", crows, weight.cuda(), EPS, params)
     assert_bits(got[0], want[0], f"forward {params}")
     want_g = spec_backward("rms_norm_gated", [dy], rows, weight, EPS, params)
-    got_g = ext_backward("rms_norm_gated", [dy.cuda()], crows, weight.cuda(), EPS, params)
-    for name, g, w in zip(grad_names("rms_norm_gated"), got_g, want_g, strict=True):
-        assert_bits(g, w, f"{name} {params}")
+    *_, rstd = ext_forward_with_rstd("rms_norm_gated", crows, weight.cuda(), EPS, params)
+    for saved in (None, rstd):
+        got_g = ext_backward("rms_norm_gated", [dy.cuda()], crows, weight.cuda(), EPS, params,
+                             rstd=saved)
+        for name, g, w in zip(grad_names("rms_norm_gated"), got_g, want_g, strict=True):
+            assert_bits(g, w, f"{name} {params} saved rstd: {saved is not None}")
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------

@@ -581,7 +581,26 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
   launch_row<OP, T, NP, -1>(a, g, stream);
 }
 
-template <int OP, typename T, int NP, int FULL_TL, bool SAVED>
+// The backward's dynamic shared memory without the gate table: the dweight stacks
+// and the weight factors.
+template <typename T>
+size_t bwd_pipe_base_bytes(const BackwardPlan& plan) {
+  PipeGeometry g;
+  g.team_log = plan.team_log;
+  g.np = plan.np;
+  constexpr int VEC = VecOf<T>::value;
+  return pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC);
+}
+
+// Whether the backward reads act(z) and act'(z) from the gate table.
+template <int OP, typename T>
+bool bwd_gate_table(const LaunchArgs& a, const BackwardPlan& plan) {
+  return use_gate_table<OP, T>(a) &&
+         fits_smem(bwd_pipe_base_bytes<T>(plan) + GATE_TABLE_SLOTS * sizeof(float2),
+                   device_smem_optin());
+}
+
+template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
   const void* w = pipe_weight(a);
   static int occ[9][MAX_FORCED_GLOG + 1][2] = {{{0}}};
@@ -589,13 +608,12 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
   g.team_log = plan.team_log;
   g.np = plan.np;
   static bool opted[64] = {false};
-  constexpr int VEC = VecOf<T>::value;
-  const size_t base = pipe_stack_bytes(g, VEC, plan.glog) + pipe_weight_bytes(g, VEC);
-  const bool table = use_gate_table<OP, T>(a) &&
-                     fits_smem(base + GATE_TABLE_SLOTS * sizeof(float2), device_smem_optin());
+  const size_t base = bwd_pipe_base_bytes<T>(plan);
+  // GC >= 0: the caller checked bwd_gate_table
+  const bool table = GC >= 0 || bwd_gate_table<OP, T>(a, plan);
   if (table) a.flags |= F_GATE_TABLE;
   const size_t smem = base + (table ? GATE_TABLE_SLOTS * sizeof(float2) : 0);
-  auto kernel = normspec_bwd_pipe_kernel<OP, T, NP, FULL_TL, SAVED>;
+  auto kernel = normspec_bwd_pipe_kernel<OP, T, NP, FULL_TL, SAVED, GC>;
   if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][plan.glog][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
@@ -611,9 +629,22 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
 // one that computes it: two instantiations, so that neither carries the other's
 // registers (one kernel with a runtime switch took the fused backward from four
 // blocks per SM to three, 292 us against 248 when recomputing).
+//
+// The saved-rstd constant forms of the bf16 gated op with the gate table (the GDN
+// norm's 128 and 256 lanes) take the convention as constants (GC), which leaves
+// the per-element convention branches out of the hot loop.
 template <int OP, typename T, int NP, int FULL_TL>
 void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
+  if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 1 && FULL_TL >= 0) {
+    if (saved_rstd(a) != nullptr && bwd_gate_table<OP, T>(a, plan)) {
+      if (!(a.flags & F_HF))
+        return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 0>(a, ws, plan, stream);
+      if (!(a.flags & F_W_IS_INPUT))
+        return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 1>(a, ws, plan, stream);
+      return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 3>(a, ws, plan, stream);
+    }
+  }
   if (saved_rstd(a) != nullptr)
     return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true>(a, ws, plan, stream);
   launch_bwd_pipe_as<OP, T, NP, FULL_TL, false>(a, ws, plan, stream);

@@ -445,6 +445,39 @@ __device__ __forceinline__ Act act_grad_from_table(const float2* __restrict__ ta
   return a;
 }
 
+// The declared function out of line, for the rare gates outside the table.
+static __device__ __noinline__ Act act_grad_cold(float z, bool sig) {
+  return act_and_grad_fp32(z, sig);
+}
+
+// act(z) and act'(z) of VEC gates from the table: straight-line reads, then one
+// rarely taken branch that evaluates the gates outside the table (out of line), as
+// acts_from_table does for the forward. One branch per vector instead of one per
+// element; the kernels that use it have registers to spare (their shared memory,
+// not their registers, bounds the resident blocks).
+template <int VEC>
+__device__ __forceinline__ void act_grads_from_table(const float2* __restrict__ tab,
+                                                     const float (&z)[VEC], bool sig,
+                                                     Act (&act)[VEC]) {
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    bool miss;
+    const float2 v = tab[gate_slot(z[j], miss)];
+    act[j].a = v.x;
+    act[j].da = v.y;
+    any |= miss;
+  }
+  if (any) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      bool miss;
+      gate_slot(z[j], miss);
+      if (miss) act[j] = act_grad_cold(z[j], sig);
+    }
+  }
+}
+
 // One output vector from v, the values the norm reads (norm_input_raw of the raw x
 // and residual / gate vectors), the raw gate vector rr (the gated op), rstd and the
 // VEC weight factors g: y, and for the fused op the new residual. The gated op
@@ -699,15 +732,24 @@ __global__ void __launch_bounds__(256)
 // would cost a block per SM; capped, they keep the recomputing forms' occupancy
 // without spills (two passes: 128 registers; the rms norm's one pass: 64). The
 // fused and gated one-pass forms would spill at 64, so they keep their budget.
-template <int OP, typename T, int NP, int FULL_TL, bool SAVED>
+//
+// GC >= 0: the gated op's convention as constants, for the gate-table launches of
+// the constant forms (bf16): bit 0 the transformers convention (F_HF), bit 1 a
+// weight of the input dtype (F_W_IS_INPUT); the table is on and its lookups are
+// batched per vector. GC = -1: the flags decide at run time. The same device
+// functions compute every value either way.
+template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 __host__ __device__ constexpr int bwd_min_blocks() {
+  // the gate table (64 KiB) bounds these launches to two blocks per SM: up to 128
+  // registers cost nothing
+  if (GC >= 0) return 2;
   if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return NORMSPEC_BWD_MIN_BLOCKS;
   if (NP == 2) return 2;
   return OP == normspec::OP_RMS ? 4 : NORMSPEC_BWD_MIN_BLOCKS;
 }
 
-template <int OP, typename T, int NP, int FULL_TL = -1, bool SAVED = false>
-__global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED>()))
+template <int OP, typename T, int NP, int FULL_TL = -1, bool SAVED = false, int GC = -1>
+__global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED, GC>()))
     normspec_bwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, const T* __restrict__ dy,
                              const T* __restrict__ dres, T* __restrict__ dx,
@@ -732,13 +774,17 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
   const int S = VEC << team_log;
   const int tcol = tm.lane * VEC;
-  const bool hf = flags & F_HF, sig = flags & F_SIGMOID, w_in = flags & F_W_IS_INPUT;
+  constexpr bool GCONST = GC >= 0;
+  static_assert(!GCONST || (OP == OP_GATED && TABLE_OK), "GC: gated bf16 launches only");
+  const bool hf = GCONST ? (GC & 1) != 0 : (flags & F_HF) != 0;
+  const bool w_in = GCONST ? (GC & 2) != 0 : (flags & F_W_IS_INPUT) != 0;
+  const bool sig = flags & F_SIGMOID;
   const bool ws_aligned = (H % 4) == 0;
   const int nthr = FULL ? (FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0)) : blockDim.x;
   const long long R = 1LL << glog;
   const long long groups = (rows + R - 1) / R;
 
-  const bool table = TABLE_OK && (flags & F_GATE_TABLE);
+  const bool table = GCONST || (TABLE_OK && (flags & F_GATE_TABLE));
   float4* wsm = stk + glog * NP * Q * nthr;
   float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
   const long long mine = tm.slot - tm.lead;
@@ -808,11 +854,19 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
         if constexpr (OP == OP_GATED) {
           float z[VEC], dg[VEC];
           unpack<T>(cr[p], z);
+          // GC: the vector's lookups at once; otherwise one element at a time (the
+          // runtime form would hold the vector's pairs in more registers)
+          Act acts[VEC];
+          if constexpr (GCONST) act_grads_from_table<VEC>(tab, z, sig, acts);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xhat = mul(v[k], rstd);
-            const Act act = table ? act_grad_from_table(tab, z[k], sig)
-                                  : act_and_grad_fp32(z[k], sig);
+            Act act;
+            if constexpr (GCONST) {
+              act = acts[k];
+            } else {
+              act = table ? act_grad_from_table(tab, z[k], sig) : act_and_grad_fp32(z[k], sig);
+            }
             const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
             dg[k] = gg.dg;
             dxh[p][k] = gg.dxh;
