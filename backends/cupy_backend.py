@@ -1107,7 +1107,7 @@ class CupyBackend(Backend):
     @property
     def source(self) -> str:  # type: ignore[override]
         version = _cupy_version() or "(not installed)"
-        return f"CuPy {version} NVRTC RawModule of backends/csrc/normspec_kernels.cuh"
+        return f"CuPy {version} NVRTC RawModule of backends/csrc/{KERNELS}"
 
     def available(self) -> str | None:
         return available()

@@ -44,7 +44,8 @@ def test_available_without_gpu_gives_a_reason():
 def test_registry_object():
     b = cb.backend
     assert b.name == "cupy"
-    assert "NVRTC RawModule of backends/csrc/normspec_kernels.cuh" in b.source
+    assert f"NVRTC RawModule of backends/csrc/{cb.KERNELS}" in b.source
+    assert cb.KERNELS == "normspec_pipe.cuh"
     assert b.source.startswith("CuPy ")
     assert set(b.ops) == {"rms_norm", "fused_add_rms_norm", "rms_norm_gated"}
     for op in b.ops.values():
