@@ -11,8 +11,10 @@ torch extension, other rows and every backward the register and streaming kernel
 (``geometry``, ``backward_plan``). The torch extension's other pipelined kernels (the
 persistent forward with the gate table, the pipelined backward) are not launched
 from here yet; every kernel gives the spec's bits. ``NORMSPEC_PIPE=0`` or
-``NORMSPEC_FWD_ROW=0`` keep the forward on the register kernels, as they do in the
-torch extension.
+``NORMSPEC_FWD_ROW=0`` keep the forward on the register kernels and
+``NORMSPEC_FULL_ROW=0`` on the general-geometry row kernel, as they do in the torch
+extension. On an H200 the one-row forward took the rms norm 32768 x 2048 (bf16) from
+138 to 77 us; the register backward is still 6-7x slower than the extension's.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
