@@ -407,17 +407,16 @@ __device__ __forceinline__ void fill_act_grad_table(float2* __restrict__ tab, bo
 // forward's hot loop is short then (ncu: instruction-fetch stalls when inlined).
 static __device__ __noinline__ float act_cold(float z, bool sig) { return act_fp32(z, sig); }
 
-// act(z) of VEC gates from the table: straight-line reads, then one rarely
-// taken branch that evaluates the gates outside the table.
-template <int VEC>
-__device__ __forceinline__ void acts_from_table(const float* __restrict__ tab,
-                                                const float (&z)[VEC], bool sig,
-                                                float (&act)[VEC]) {
+// The table entries of VEC gates: straight-line reads (`read` of each slot), then
+// one rarely taken branch that evaluates the gates outside the table (`cold`).
+template <int VEC, typename E, typename Read, typename Cold>
+__device__ __forceinline__ void lookup_gates(const float (&z)[VEC], E (&out)[VEC], Read read,
+                                             Cold cold) {
   bool any = false;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     bool miss;
-    act[j] = tab[gate_slot(z[j], miss)];
+    out[j] = read(gate_slot(z[j], miss));
     any |= miss;
   }
   if (any) {
@@ -425,9 +424,18 @@ __device__ __forceinline__ void acts_from_table(const float* __restrict__ tab,
     for (int j = 0; j < VEC; ++j) {
       bool miss;
       gate_slot(z[j], miss);
-      if (miss) act[j] = act_cold(z[j], sig);
+      if (miss) out[j] = cold(z[j]);
     }
   }
+}
+
+// act(z) of VEC gates from the table.
+template <int VEC>
+__device__ __forceinline__ void acts_from_table(const float* __restrict__ tab,
+                                                const float (&z)[VEC], bool sig,
+                                                float (&act)[VEC]) {
+  lookup_gates<VEC>(z, act, [&](int k) { return tab[k]; },
+                    [&](float g) { return act_cold(g, sig); });
 }
 
 // act(z) and act'(z) of one gate: the table, or the declared function for the
@@ -450,32 +458,24 @@ static __device__ __noinline__ Act act_grad_cold(float z, bool sig) {
   return act_and_grad_fp32(z, sig);
 }
 
-// act(z) and act'(z) of VEC gates from the table: straight-line reads, then one
-// rarely taken branch that evaluates the gates outside the table (out of line), as
-// acts_from_table does for the forward. One branch per vector instead of one per
+// act(z) and act'(z) of VEC gates from the table, the gates outside it out of line,
+// as acts_from_table does for the forward. One branch per vector instead of one per
 // element; the kernels that use it have registers to spare (their shared memory,
 // not their registers, bounds the resident blocks).
 template <int VEC>
 __device__ __forceinline__ void act_grads_from_table(const float2* __restrict__ tab,
                                                      const float (&z)[VEC], bool sig,
                                                      Act (&act)[VEC]) {
-  bool any = false;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    bool miss;
-    const float2 v = tab[gate_slot(z[j], miss)];
-    act[j].a = v.x;
-    act[j].da = v.y;
-    any |= miss;
-  }
-  if (any) {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      bool miss;
-      gate_slot(z[j], miss);
-      if (miss) act[j] = act_grad_cold(z[j], sig);
-    }
-  }
+  lookup_gates<VEC>(
+      z, act,
+      [&](int k) {
+        const float2 v = tab[k];
+        Act a;
+        a.a = v.x;
+        a.da = v.y;
+        return a;
+      },
+      [&](float g) { return act_grad_cold(g, sig); });
 }
 
 // One output vector from v, the values the norm reads (norm_input_raw of the raw x
