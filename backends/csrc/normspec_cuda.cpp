@@ -53,6 +53,21 @@ LaunchArgs base_args(const RowView& xv, double eps, double offset, int flags) {
   return a;
 }
 
+// A backward's launch arguments: base_args of the rows the norm read (`nv`), the
+// gradient rows `dyv`, the gradient rows written to `dn` and the forward's rstd where
+// given (else nullptr). The views stay the caller's: a view may hold a contiguous
+// copy, which must outlive the launch.
+LaunchArgs backward_args(const RowView& nv, double eps, double offset, int flags,
+                         const RowView& dyv, const at::Tensor& dn, const float* given) {
+  LaunchArgs a = base_args(nv, eps, offset, flags);
+  a.dy = dyv.t.data_ptr();
+  a.sdy = dyv.stride;
+  a.y = dn.data_ptr();
+  a.sy = nv.hidden;
+  a.rstd_in = given;
+  return a;
+}
+
 // The weight as the kernels read it. A contiguous 16-bit weight of the input
 // dtype is offered as it is (a.w_in_dtype): the pipelined kernels widen it
 // exactly, which saves an fp32 copy and its kernel launch per call.
@@ -141,12 +156,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy,
   at::Tensor dx = new_rows(x);
   if (x.numel() == 0) return {dx, at::zeros_like(weight)};
   const RowView xv = row_view(x), dyv = row_view(dy);
-  LaunchArgs a = base_args(xv, eps, offset, base_flags(x, weight, offset));
-  a.rstd_in = given;
-  a.dy = dyv.t.data_ptr();
-  a.sdy = dyv.stride;
-  a.y = dx.data_ptr();
-  a.sy = xv.hidden;
+  const LaunchArgs a =
+      backward_args(xv, eps, offset, base_flags(x, weight, offset), dyv, dx, given);
   at::Tensor dw = backward(OP_RMS, x, weight, a);
   return {dx, dw};
 }
@@ -188,6 +199,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_with_rstd_cuda
   return fused_add_rms_norm_impl(x, residual, weight, eps, offset, residual_sum, true);
 }
 
+// The launch arguments the two fused backwards share: backward_args and the new
+// residual's gradient rows `drv`.
+LaunchArgs fused_backward_args(const RowView& nv, const at::Tensor& n, const at::Tensor& weight,
+                               double eps, double offset, bool rounded, const RowView& dyv,
+                               const RowView& drv, const at::Tensor& dn, const float* given) {
+  LaunchArgs a = backward_args(nv, eps, offset,
+                               base_flags(n, weight, offset) | (rounded ? F_ROUNDED : 0), dyv,
+                               dn, given);
+  a.dres = drv.t.data_ptr();
+  a.sdres = drv.stride;
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
     const at::Tensor& dy, const at::Tensor& dresidual_out, const at::Tensor& x,
     const at::Tensor& residual, const at::Tensor& weight, double eps, double offset,
@@ -201,19 +225,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cuda(
   if (x.numel() == 0) return {dx, dres, at::zeros_like(weight)};
   const RowView xv = row_view(x), rv = row_view(residual), dyv = row_view(dy),
                 drv = row_view(dresidual_out);
-  LaunchArgs a = base_args(xv, eps, offset,
-                           base_flags(x, weight, offset) | (rounded ? F_ROUNDED : 0));
+  LaunchArgs a = fused_backward_args(xv, x, weight, eps, offset, rounded, dyv, drv, dx, given);
   a.r = rv.t.data_ptr();
   a.sr = rv.stride;
-  a.dy = dyv.t.data_ptr();
-  a.sdy = dyv.stride;
-  a.dres = drv.t.data_ptr();
-  a.sdres = drv.stride;
-  a.y = dx.data_ptr();
-  a.sy = xv.hidden;
   a.y2 = dres.data_ptr();
   a.sy2 = xv.hidden;
-  a.rstd_in = given;
   at::Tensor dw = backward(OP_FUSED, x, weight, a);
   return {dx, dres, dw};
 }
@@ -229,15 +245,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_backward_from_sum_cuda(
   at::Tensor ds = new_rows(s);
   if (s.numel() == 0) return {ds, at::zeros_like(weight)};
   const RowView sv = row_view(s), dyv = row_view(dy), drv = row_view(dresidual_out);
-  LaunchArgs a = base_args(sv, eps, offset,
-                           base_flags(s, weight, offset) | (rounded ? F_ROUNDED : 0));
-  a.dy = dyv.t.data_ptr();
-  a.sdy = dyv.stride;
-  a.dres = drv.t.data_ptr();
-  a.sdres = drv.stride;
-  a.y = ds.data_ptr();
-  a.sy = sv.hidden;
-  a.rstd_in = given;
+  const LaunchArgs a = fused_backward_args(sv, s, weight, eps, offset, rounded, dyv, drv, ds,
+                                           given);
   at::Tensor dw = backward(OP_FUSED_SUM, s, weight, a);
   return {ds, dw};
 }
@@ -292,16 +301,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cuda(
   at::Tensor dx = new_rows(x), dgate = new_rows(x);
   if (x.numel() == 0) return {dx, dgate, at::zeros_like(weight)};
   const RowView xv = row_view(x), gv = row_view(gate), dyv = row_view(dy);
-  LaunchArgs a = base_args(xv, eps, 0.0, flags);
+  LaunchArgs a = backward_args(xv, eps, 0.0, flags, dyv, dx, given);
   a.r = gv.t.data_ptr();
   a.sr = gv.stride;
-  a.dy = dyv.t.data_ptr();
-  a.sdy = dyv.stride;
-  a.y = dx.data_ptr();
-  a.sy = xv.hidden;
   a.y2 = dgate.data_ptr();
   a.sy2 = xv.hidden;
-  a.rstd_in = given;
   at::Tensor dw = backward(OP_GATED, x, weight, a);
   return {dx, dgate, dw};
 }
