@@ -5,16 +5,22 @@ The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` a
 lazily, one module per (operator, dtype) holding every template instantiation that
 module launches, cached on disk (next to CuPy's kernel cache) and memoised per
 process and device. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
-in Python: the forward of aligned rows of at most 1024 vectors runs the one-row
-forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``), as in the
-torch extension, other rows and every backward the register and streaming kernels
-(``geometry``, ``backward_plan``). The torch extension's other pipelined kernels (the
-persistent forward with the gate table, the pipelined backward) are not launched
-from here yet; every kernel gives the spec's bits. ``NORMSPEC_PIPE=0`` or
-``NORMSPEC_FWD_ROW=0`` keep the forward on the register kernels and
-``NORMSPEC_FULL_ROW=0`` on the general-geometry row kernel, as they do in the torch
-extension. On an H200 the one-row forward took the rms norm 32768 x 2048 (bf16) from
-138 to 77 us; the register backward is still 6-7x slower than the extension's.
+in Python. Aligned rows of at most 1024 vectors run, as in the torch extension, the
+one-row forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``) and the
+pipelined backward (``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``,
+``pipe_backward_launch``; persistent teams with their dweight stacks, weight factors
+and, for large bf16 gated launches, the gate table in shared memory, past 48 KiB with
+the device's opt-in); other rows run the register and streaming kernels
+(``geometry``, ``backward_plan``). Not launched from here: the persistent forward
+with the gate table and the backward forms that read the forward's rstd (this
+backend keeps no forward state). Every kernel gives the spec's bits.
+``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
+the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
+``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension. On an
+H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
+77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
+Per call, the host side (200-400 us a forward, 800-1100 us a backward) now outweighs
+the kernels at these sizes; ``scripts/cupy_host_profile.py`` shows where it goes.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
@@ -89,6 +95,11 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_backward",
     "name_expressions",
+    "persistent_grid",
+    "pipe_backward_enabled",
+    "pipe_backward_geometry",
+    "pipe_backward_launch",
+    "pipe_backward_plan",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_gated",
@@ -120,6 +131,14 @@ NVRTC_OPTIONS = (
 OP_RMS, OP_FUSED, OP_GATED = 0, 1, 2
 OP_CODES = {"rms_norm": OP_RMS, "fused_add_rms_norm": OP_FUSED, "rms_norm_gated": OP_GATED}
 F_OFFSET, F_ROUNDED, F_HF, F_SIGMOID, F_W_IS_INPUT, F_ALIGNED = 1, 2, 4, 8, 16, 32
+F_GATE_TABLE = 64
+# normspec_launch_impl.cuh: static shared memory kept free, the gate table's slots and
+# the smallest launch that fills it, the plan's stack budget per block
+_STATIC_SMEM_ROOM = 2048
+_GATE_TABLE_SLOTS = 8192
+_GATE_TABLE_MIN_ELEMENTS = 1 << 20
+_PIPE_STACK_BUDGET = 40960
+_PIPE_PLAN_LEVELS = 5
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2
 #: Kernel template argument T of each dtype code.
 CUDA_TYPES = {DT_F32: "float", DT_BF16: "__nv_bfloat16", DT_F16: "__half"}
@@ -204,6 +223,108 @@ def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> tup
             glog += 1
     r = 1 << glog
     return glog, (rows + r - 1) // r
+
+
+def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
+    """``(team_log, NP)`` of the pipelined backward (``normspec::pipe_geometry`` with
+    ``backward`` and no override); ``(0, 0)`` for rows of more than 1024 vectors.
+    One pass up to 32 vectors, then teams of half the vectors (two passes), 256 x 4
+    from 513 vectors on."""
+    nvec = (hidden + vec - 1) // vec
+    if nvec <= 32:
+        threads = next_pow2(nvec)
+    elif nvec <= 512:
+        threads = next_pow2(nvec) // 2
+    else:
+        threads = 256
+    for np_ in _NPS:
+        if np_ * threads * vec >= hidden:
+            return threads.bit_length() - 1, np_
+    return 0, 0
+
+
+def pipe_block(team_log: int) -> int:
+    """Threads per block of the pipelined kernels (``PipeGeometry::block``)."""
+    return 256 if team_log <= 5 else 1 << team_log
+
+
+def pipe_smem_bytes(team_log: int, np_: int, vec: int, glog: int, table: bool) -> int:
+    """Dynamic shared memory of the pipelined backward: the dweight stacks, the weight
+    factors and, with ``table``, the gate table of (act, act') pairs."""
+    stacks = glog * np_ * vec * 4 * pipe_block(team_log)
+    weights = (np_ * vec * 4) << team_log
+    return stacks + weights + (_GATE_TABLE_SLOTS * 8 if table else 0)
+
+
+def fits_smem(dynamic_bytes: int, optin: int) -> bool:
+    """Whether a block's dynamic shared memory fits what it may opt in to."""
+    return dynamic_bytes + _STATIC_SMEM_ROOM <= optin
+
+
+def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
+                       optin: int) -> tuple[int, int, int, int] | None:
+    """``(team_log, NP, glog, groups)`` of the pipelined backward for aligned rows
+    (``normspec::backward_plan_for`` without overrides), ``None`` for rows of more than
+    1024 vectors. The largest groups, within five stack levels of at most 40 KiB a
+    block, that leave a group for at least half of the teams the device holds."""
+    vec = vec_of(dtype_code)
+    team_log, np_ = pipe_backward_geometry(hidden, vec)
+    if np_ == 0:
+        return None
+    cap = 0
+    while (cap < _PIPE_PLAN_LEVELS
+           and pipe_smem_bytes(team_log, np_, vec, cap + 1, False)
+           - pipe_smem_bytes(team_log, np_, vec, 0, False) <= _PIPE_STACK_BUDGET
+           and fits_smem(pipe_smem_bytes(team_log, np_, vec, cap + 1, False), optin)):
+        cap += 1
+    block = pipe_block(team_log)
+    teams = sm_count * (2048 // block) * (block >> team_log)
+    prow = next_pow2(rows)
+    glog = 0
+    while glog < cap and (1 << (glog + 1)) <= prow:
+        r = 1 << (glog + 1)
+        if 2 * ((rows + r - 1) // r) < teams:
+            break
+        glog += 1
+    r = 1 << glog
+    return team_log, np_, glog, (rows + r - 1) // r
+
+
+def gate_table_enabled() -> bool:
+    """``NORMSPEC_GATE_TABLE=0`` turns the activation table off (read at each call)."""
+    return os.environ.get("NORMSPEC_GATE_TABLE") != "0"
+
+
+def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
+                         optin: int) -> tuple[str, int, int, bool, tuple[int, int, int]] | None:
+    """``(kernel name expression, glog, groups, gate table, (block, smem, team_log))`` of
+    the pipelined backward for aligned rows, ``None`` where it does not apply. Rows that
+    fill the team exactly in the common geometries (one pass of 16 or 32 lanes, two of
+    128 or 256 threads) run the constant-geometry form (``backward_pipe_t``). The
+    backward recomputes rstd (this backend keeps no forward state)."""
+    plan = pipe_backward_plan(dtype_code, rows, hidden, sm_count, optin)
+    if plan is None:
+        return None
+    team_log, np_, glog, groups = plan
+    vec = vec_of(dtype_code)
+    table = (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
+             and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS
+             and fits_smem(pipe_smem_bytes(team_log, np_, vec, glog, True), optin))
+    lo = 4 if np_ == 1 else 7
+    full = (np_ <= 2 and full_row_forms_enabled() and hidden == (np_ * vec) << team_log
+            and team_log in (lo, lo + 1))
+    name = (f"normspec_bwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
+            f"{team_log if full else -1}, false, -1>")
+    smem = pipe_smem_bytes(team_log, np_, vec, glog, table)
+    return name, glog, groups, table, (pipe_block(team_log), smem, team_log)
+
+
+def persistent_grid(groups: int, team_log: int, per_sm: int, sm_count: int) -> int:
+    """Blocks of a persistent launch: enough for every group's team, at most the
+    resident blocks (``normspec::persistent_grid``)."""
+    per_block = pipe_block(team_log) >> team_log
+    need = (groups + per_block - 1) // per_block
+    return grid_for(min(need, per_sm * sm_count), 1)
 
 
 def col_tree_rows_out(groups: int) -> int:
@@ -319,6 +440,9 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
         *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
+        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, -1, false, -1>" for n in _NPS),
+        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, {tl}, false, -1>"
+          for n, tl in ((1, 4), (1, 5), (2, 7), (2, 8))),
         f"normspec_bwd_stream_kernel<{op}, {t}>",
         "normspec_col_tree_kernel",
     ]
@@ -388,6 +512,8 @@ _lock = threading.RLock()
 _modules: dict[tuple[int, int, int], tuple[Any, dict[str, str]]] = {}
 _functions: dict[tuple[int, int, int, str], Any] = {}
 _sm_counts: dict[int, int] = {}
+_smem_optins: dict[int, int] = {}
+_occupancy: dict[tuple, int] = {}
 _compile_error: str | None = None
 
 
@@ -850,8 +976,48 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
     return flags
 
 
-def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
-    fn(grid, block, args)
+def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+            shared_mem: int = 0) -> None:
+    if shared_mem:
+        fn(grid, block, args, shared_mem=shared_mem)
+    else:
+        fn(grid, block, args)
+
+
+def _smem_optin(cp: Any, dev: int) -> int:
+    """Shared memory a block may opt in to on ``dev`` (cached)."""
+    n = _smem_optins.get(dev)
+    if n is None:
+        rt = cp.cuda.runtime
+        n = _smem_optins[dev] = int(
+            rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))
+    return n
+
+
+def _prepare_pipe_kernel(fn: Any, key: tuple, block: int, smem: int, optin: int) -> int:
+    """Lets ``fn`` use the device's opt-in shared memory (past 48 KiB a kernel must ask,
+    as ``normspec::allow_smem`` does) and returns its resident blocks per SM for
+    ``block`` threads and ``smem`` bytes (cached per ``key``; 1 if the driver cannot
+    tell, as in the C++ launcher: only the grid depends on it, not the bits)."""
+    per_sm = _occupancy.get(key)
+    if per_sm is None:
+        if smem + _STATIC_SMEM_ROOM > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = optin - int(fn.shared_size_bytes)
+        try:
+            from cupy_backends.cuda.api import driver
+
+            per_sm = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                fn.kernel.ptr, block, smem))
+        except Exception:  # any driver failure: the C++ launcher's fallback
+            per_sm = 1
+        per_sm = _occupancy[key] = max(per_sm, 1)
+    return per_sm
+
+
+def pipe_backward_enabled() -> bool:
+    """Whether aligned rows may run the pipelined backward (``NORMSPEC_PIPE=0`` says no,
+    as in the torch extension; read at each call)."""
+    return os.environ.get("NORMSPEC_PIPE") != "0"
 
 
 def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple:
@@ -941,14 +1107,32 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                   sy2=hidden if op != OP_RMS else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)
-        glog, groups = backward_plan(dt, nrows, hidden, _sm_count(cp, side.dev))
-        ws, wsv = side.empty_f32((groups, hidden))
-        name, grid, block, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
-        args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
-                     (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
-        if takes_glog:
-            args = (*args, np.int32(glog))
-        _launch(_kernel(side.dev, op, dt, name), grid, block, args)
+        sms = _sm_count(cp, side.dev)
+        optin = _smem_optin(cp, side.dev)
+        pipe = (pipe_backward_launch(op, dt, nrows, hidden, sms, optin)
+                if a.flags & F_ALIGNED and pipe_backward_enabled() else None)
+        if pipe is not None:
+            # the pipelined backward: persistent teams, dweight stacks in shared memory
+            name, glog, groups, table, (block, smem, team_log) = pipe
+            ws, wsv = side.empty_f32((groups, hidden))
+            fn = _kernel(side.dev, op, dt, name)
+            per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
+                                          optin)
+            if table:
+                a = replace(a, flags=a.flags | F_GATE_TABLE)
+            args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
+                         (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
+            _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1), (block, 1, 1),
+                    (*args, np.int32(team_log), np.int32(glog), np.uint64(0)), smem)
+        else:
+            glog, groups = backward_plan(dt, nrows, hidden, sms)
+            ws, wsv = side.empty_f32((groups, hidden))
+            name, grid, block3, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
+            args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
+                         (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
+            if takes_glog:
+                args = (*args, np.int32(glog))
+            _launch(_kernel(side.dev, op, dt, name), grid, block3, args)
         tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
         g = groups
         while g > 1:

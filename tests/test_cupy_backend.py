@@ -184,20 +184,26 @@ def test_large_shapes(op, params, shape, ext):
     check_cupy(op, params, shape, torch.float16, torch.float16, 2)
 
 
+def record_calls(monkeypatch, name: str) -> list:
+    """Wraps the backend's launch planner ``name``; returns the list of its answers."""
+    picked = []
+    real = getattr(cb, name)
+
+    def spy(*args):
+        picked.append(real(*args))
+        return picked[-1]
+
+    monkeypatch.setattr(cb, name, spy)
+    return picked
+
+
 @pytest.mark.parametrize("fwd_row", ["1", "0"], ids=["one-row forward", "register forward"])
 def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
     """Aligned rows of at most 1024 vectors run the one-row forward (as in the torch
     extension), with NORMSPEC_FWD_ROW=0 the register forward: both give the spec's bits,
     at few rows (wider teams), at full launches (the constant forms) and on ragged rows."""
     monkeypatch.setenv("NORMSPEC_FWD_ROW", fwd_row)
-    picked = []
-    real = cb.row_forward_launch
-
-    def spy(*args):
-        picked.append(real(*args))
-        return picked[-1]
-
-    monkeypatch.setattr(cb, "row_forward_launch", spy)
+    picked = record_calls(monkeypatch, "row_forward_launch")
     for seed, shape in enumerate([(1, 2048), (64, 2048), (4096, 2048), (20000, 256),
                                   (333, 1003), (7, 8)]):
         for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
@@ -208,6 +214,44 @@ def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
         assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
     else:
         assert picked == []
+
+
+@pytest.mark.parametrize("pipe", ["1", "0"], ids=["pipelined backward", "register backward"])
+def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
+    """Aligned rows of at most 1024 vectors run the torch extension's pipelined backward
+    (persistent teams, dweight stacks in shared memory), with NORMSPEC_PIPE=0 the
+    register backward: both give the spec's bits (and the extension's) for one-pass and
+    two-pass teams, the constant forms, ragged rows, groups that outnumber the resident
+    teams, and a bf16 gated launch large enough for the gate table (which needs the
+    shared-memory opt-in)."""
+    monkeypatch.setenv("NORMSPEC_PIPE", pipe)
+    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    for seed, shape in enumerate([(1, 2048), (4096, 2048), (20000, 256), (333, 1003),
+                                  (7, 8)]):
+        for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
+            check_torch(op, params, shape, torch.bfloat16, torch.float32, seed, ext=ext)
+    for op, params in (VARIANTS[7], VARIANTS[10]):  # 2**20 elements: the gate table
+        check_torch(op, params, (8192, 128), torch.bfloat16, torch.bfloat16, 11, ext=ext)
+    if pipe == "1":
+        assert picked and all(p is not None for p in picked)
+        assert any(p[0].split(", ")[3] == "-1" for p in picked)  # the general form
+        assert any(p[0].split(", ")[3] != "-1" for p in picked)  # the constant forms
+        assert any(p[3] for p in picked)  # the gate table
+        assert any(p[4][1] + 2048 > 48 * 1024 for p in picked)  # the opt-in
+    else:
+        assert picked == []
+
+
+def test_pipelined_backward_occupancy():
+    """The occupancy query the persistent grid depends on answers (a failure would fall
+    back to one block per SM: the same bits, a slow launch)."""
+    cb.available()
+    name, *_, (block, smem, _team_log) = cb.pipe_backward_launch(
+        cb.OP_RMS, cb.DT_BF16, 32768, 2048, 132, 232448)
+    fn = cb._kernel(torch.cuda.current_device(), cb.OP_RMS, cb.DT_BF16, name)
+    per_sm = cb._prepare_pipe_kernel(fn, ("occupancy test", name, smem), block, smem,
+                                     cb._smem_optin(cp, torch.cuda.current_device()))
+    assert per_sm >= 2
 
 
 def test_many_rows_dweight_tree(ext):

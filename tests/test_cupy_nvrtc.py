@@ -159,13 +159,19 @@ def test_launch_shapes():
     for op in (0, 1, 2):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            assert len(names) == len(set(names)) == 25
+            assert len(names) == len(set(names)) == 32
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
                 for rows in (1, 64, 4096, 2**20):
                     row = cb.row_forward_launch(op, dt, rows, hidden, 132)
                     assert row is None or row[0] in names, (op, dt, rows, hidden)
+                    bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
+                    assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
+            for hidden in (128, 256, 1024, 2048, 4096):
+                for rows in (1, 4096, 2**21):
+                    bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
+                    assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
 
 
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
@@ -197,6 +203,55 @@ def test_launch_shapes():
 ])
 def test_row_forward_launch(op, dt, rows, hidden, want):
     assert cb.row_forward_launch(op, dt, rows, hidden, 132) == want
+
+
+@pytest.mark.parametrize("op,dt,rows,hidden,want", [
+    # the bench's large shapes on an H200 (132 SMs, 227 KiB opt-in): constant forms
+    (cb.OP_RMS, cb.DT_BF16, 32768, 2048,
+     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, false, -1>", 4, False, 128)),
+    (cb.OP_RMS, cb.DT_BF16, 524288, 256,
+     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 1, 5, false, -1>", 5, False, 256)),
+    (cb.OP_GATED, cb.DT_BF16, 2**21, 128,  # the gate table: 2**21 x 128 elements
+     ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 5, True, 256)),
+    (cb.OP_GATED, cb.DT_BF16, 4096, 128,  # 2**19 elements: no table
+     ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 0, False, 256)),
+    (cb.OP_FUSED, cb.DT_F32, 32768, 2048,
+     ("normspec_bwd_pipe_kernel<1, float, 2, 8, false, -1>", 5, False, 256)),
+    # rows that do not fill the team: the general form
+    (cb.OP_RMS, cb.DT_F16, 100000, 1003,
+     ("normspec_bwd_pipe_kernel<0, __half, 2, -1, false, -1>", 5, False, 64)),
+])
+def test_pipe_backward_launch(op, dt, rows, hidden, want):
+    name, glog, groups, table, (block, smem, team_log) = cb.pipe_backward_launch(
+        op, dt, rows, hidden, 132, 232448)
+    assert (name, glog, table, block) == want
+    assert groups == -(-rows // (1 << glog))
+    vec = cb.vec_of(dt)
+    assert smem == cb.pipe_smem_bytes(team_log, int(name.split(", ")[2]), vec, glog, table)
+    assert cb.fits_smem(smem, 232448)
+    # the grid: every group's team, at most the resident blocks
+    teams_per_block = block >> team_log
+    grid = cb.persistent_grid(groups, team_log, 2, 132)
+    assert grid == min(-(-groups // teams_per_block), 264)
+
+
+def test_pipe_backward_switches(monkeypatch):
+    monkeypatch.delenv("NORMSPEC_PIPE", raising=False)
+    monkeypatch.delenv("NORMSPEC_GATE_TABLE", raising=False)
+    monkeypatch.delenv("NORMSPEC_FULL_ROW", raising=False)
+    assert cb.pipe_backward_enabled()
+    args = (cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 232448)
+    assert cb.pipe_backward_launch(*args)[3]
+    monkeypatch.setenv("NORMSPEC_GATE_TABLE", "0")
+    assert not cb.pipe_backward_launch(*args)[3]
+    monkeypatch.setenv("NORMSPEC_FULL_ROW", "0")
+    assert cb.pipe_backward_launch(*args)[0].endswith("1, -1, false, -1>")
+    monkeypatch.setenv("NORMSPEC_PIPE", "0")
+    assert not cb.pipe_backward_enabled()
+    # rows of more than 1024 vectors: the register and streaming kernels
+    assert cb.pipe_backward_launch(cb.OP_RMS, cb.DT_BF16, 64, 8200, 132, 232448) is None
+    # a device with less shared memory keeps the table out
+    assert not cb.pipe_backward_launch(cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 65536)[3]
 
 
 def test_row_forward_switches(monkeypatch):
@@ -267,6 +322,7 @@ int main() {
     }
   }
   printf("S %d\n", device_sms());
+  printf("O %d\n", device_smem_optin());
   // the stack depth cap under the shared-memory limits of other GPUs
   for (int tl = 0; tl <= 8; ++tl) for (int np : {1, 2, 4}) for (int vec : {4, 8})
     for (int optin : {232448, 101376, 65536, 49152}) {
@@ -351,6 +407,8 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
     sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
+    # the opt-in shared memory it assumed (227 KiB without a GPU)
+    optin = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("O "))
     n = 0
     for line in out.splitlines():
         kind, *v = line.split()
@@ -364,9 +422,20 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             assert cb.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
         elif kind == "Q":
             check_pipe_plan(*v, line=line)
+            dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups = v
+            # the CuPy backend's mirror of the pipelined backward's plan
+            if pipe:
+                assert cb.pipe_backward_plan(dt, rows, hidden, sm, optin) == (
+                    team_log, np_, glog, groups), line
+            elif aligned:
+                assert cb.pipe_backward_plan(dt, rows, hidden, sm, optin) is None, line
         elif kind == "W":
             hidden, vec, bwd, team_log, np_ = v
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
+            if bwd:
+                assert cb.pipe_backward_geometry(hidden, vec) == (team_log, np_), line
+        elif kind == "O":
+            assert optin > 48 * 1024, line
         elif kind == "R":
             hidden, vec, two, rows, team_log, np_, block = v
             # the CuPy backend's mirror of the one-row forward's launch
@@ -411,6 +480,9 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     fwd = "PKT0_S[0-9]_PKfPS[0-9]_S[0-9]_xxxxxxffiPf$"
     row = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPf$"  # + the weight as void*, team_log
     bwd = "Pfxxxxxxxxffii$"  # ws, 8 long long, eps, offset, flags, glog
+    # the pipelined backward: x, r, the weight as void*, dy, dres, dx, d2, ws, 8 long long,
+    # eps, offset, flags, team_log, glog, the saved rstd (the launcher packs a null pointer)
+    pipe = "PKT0_S[0-9]_PKvS[0-9]_S[0-9]_PS[0-9]_S[0-9]_PfxxxxxxxxffiiiPKf$"
     for name, low in mapping.items():
         if name.startswith("normspec_fwd_row"):
             assert re.search(row, low), (name, low)
@@ -420,6 +492,8 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
             assert re.search(bwd, low), (name, low)
         elif name.startswith("normspec_bwd_stream"):
             assert re.search("Pfxxxxxxxxffi$", low), (name, low)
+        elif name.startswith("normspec_bwd_pipe"):
+            assert re.search(pipe, low), (name, low)
         else:
             assert low == "_Z24normspec_col_tree_kernelPKfPfxxi"
 

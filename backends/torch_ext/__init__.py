@@ -25,10 +25,10 @@ the declared functions themselves, and evaluate the other gates directly. Their
 backward with the forward's rstd, on rows of 128 and 256 (the GDN norm's head sizes),
 runs kernels with the convention (vLLM, transformers with an fp32 weight or with a
 weight of the input dtype) as a compile-time constant and one table lookup per vector
-(on an H200, 2**21 x 128: 821 us against 939 before). Other rows
-(unaligned views, longer rows) run on the register and streaming kernels, which the
-CuPy backend shares (it also runs the one-row forward). Every geometry gives the
-same bits; these variables only change speed (read once per process):
+(on an H200, 2**21 x 128: 821 us against 939 before). Other rows (unaligned views,
+longer rows) run on the register and streaming kernels, which the CuPy backend shares
+(it also runs the one-row forward and the pipelined backward). Every geometry gives
+the same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
 * ``NORMSPEC_FWD_ROW=0``: the persistent forward instead of one row per team;
