@@ -236,3 +236,21 @@ def test_a_failing_gate_carries_a_runnable_repro(monkeypatch):
         registry.unregister("scaled-repro")
     ok = check(Wrong("fine"), "rms_norm", PROFILE)
     assert ok["contract_gates"]["forward"]["repro"] is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_equal_fraction_is_exactly_one_when_all_equal(device):
+    """The fraction is a count over numel, so an all-equal tensor reads 1.0 exactly.
+
+    (A CUDA mean multiplies by 1/numel; before the count, all-equal CUDA tensors
+    could read 0.9999999999999999 in the committed reports.)
+    """
+    from normspec.gates import compare
+
+    for n in (3, 7, 48, 1000, 12345, 24 * 2048):
+        t = torch.linspace(-1, 1, n, device=device)
+        assert compare("y", t.clone(), t, "forward").equal_fraction == 1.0
+    t = torch.zeros(10, device=device)
+    got = t.clone()
+    got[:3] = 1.0
+    assert compare("y", got, t, "forward").equal_fraction == 0.7
