@@ -334,6 +334,21 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
             assert_bits(g, w, f"{name} {params} saved rstd: {saved is not None}")
 
 
+@pytest.mark.parametrize("extra", [1, 13])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
+@pytest.mark.parametrize("hidden", [128, 256])
+@pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
+                         ids=lambda p: f"{p['convention']},{p['activation']}")
+def test_gate_table_backward_with_a_partial_last_group(params, hidden, wdtype, extra):
+    """The gate-table backward with the saved rstd (the constant-convention kernels)
+    takes a group's rows two at a time; a row count that leaves the last group part
+    full (odd, too) makes its inactive rows compute on stale vectors, which must
+    neither be stored nor reach dweight."""
+    rows_n = 2**20 // hidden + extra
+    check_case("rms_norm_gated", params, (rows_n, hidden), torch.bfloat16, wdtype, extra,
+               specials=True)
+
+
 # ---- the pipelined kernels under every geometry override ------------------------------
 # The overrides are read once per process, so each setting runs in a child process.
 OVERRIDE_CHILD = r"""
