@@ -391,11 +391,8 @@ def check_stack_cap(team_log, np_, vec, optin, glog, forced, *, line):
     assert forced == 7 or not fits(forced + 1, optin), line
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_plan_matches_the_cpp_launcher(tmp_path):
-    """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
-    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones, and
-    the pipelined kernels' geometry and backward plan keep their documented invariants."""
+def _geo_output(tmp_path, env: dict[str, str] | None = None) -> str:
+    """What GEO_MAIN prints: normspec_launch.cu's plans, compiled and run on the host."""
     src = tmp_path / "geo.cu"
     src.write_text(GEO_MAIN.replace("@HS@", ", ".join(map(str, HS)))
                    .replace("@RS@", ", ".join(f"{r}LL" for r in RS)))
@@ -404,7 +401,16 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
            str(src), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                          env=env).stdout
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_plan_matches_the_cpp_launcher(tmp_path):
+    """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
+    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones, and
+    the pipelined kernels' geometry and backward plan keep their documented invariants."""
+    out = _geo_output(tmp_path)
     # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
     sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
     # the opt-in shared memory it assumed (227 KiB without a GPU)
@@ -452,6 +458,32 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             assert cb.grid_for(v[0], v[1]) == v[2], line
         n += 1
     assert n > 5000
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_forced_group_log_stays_within_the_padded_rows(tmp_path):
+    """NORMSPEC_BWD_GLOG=7 asks for groups of 128 rows; the launcher gives at most the
+    rows' next power of two (and what shared memory holds). A deeper group would add
+    +0.0 rows the spec's tree does not have: a column of -0.0 contributions would sum
+    to +0.0 instead of the spec's -0.0."""
+    import os
+
+    out = _geo_output(tmp_path, {**os.environ, "NORMSPEC_BWD_GLOG": "7"})
+    lines = [[int(t) for t in line.split()[1:]] for line in out.splitlines()]
+    kinds = [line.split()[0] for line in out.splitlines()]
+    optin = next(v[0] for k, v in zip(kinds, lines, strict=True) if k == "O")
+    forced_cap = {tuple(v[:4]): v[5] for k, v in zip(kinds, lines, strict=True) if k == "M"}
+    n = 0
+    for kind, v in zip(kinds, lines, strict=True):
+        if kind != "Q" or not v[5]:
+            continue
+        dt, rows, _hidden, _sm, _aligned, _pipe, team_log, np_, glog, groups = v
+        cap = forced_cap[(team_log, np_, cb.vec_of(dt), optin)]
+        rows_log = cb.next_pow2(rows).bit_length() - 1
+        assert glog == min(7, cap, rows_log), (v, cap)
+        assert groups == -(-rows // (1 << glog))
+        n += 1
+    assert n > 1000
 
 
 # ---- NVRTC, without a GPU ---------------------------------------------------------------

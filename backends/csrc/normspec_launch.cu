@@ -75,7 +75,10 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   const int ml = pipe_max_glog(g, vec, device_smem_optin());
   const int forced = group_log_override();
   if (forced >= 0) {
-    const int cap = pipe_forced_glog_cap(g, vec, device_smem_optin());
+    int cap = pipe_forced_glog_cap(g, vec, device_smem_optin());
+    // nor past the spec's padded row count: a group's +0.0 rows beyond it would turn a
+    // column's -0.0 sum into +0.0
+    while (cap > 0 && (1LL << cap) > next_pow2(a.rows)) --cap;
     plan.glog = forced < cap ? forced : cap;
   } else {
     // the largest groups (least workspace traffic) that leave a group for at

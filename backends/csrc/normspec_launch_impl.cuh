@@ -116,8 +116,9 @@ inline int row_block_override() {
 constexpr int MAX_FORCED_GLOG = 7;
 
 // NORMSPEC_BWD_GLOG=<0..7>: rows per dweight group (log2) of the pipelined
-// backward, capped by what its shared memory can hold (pipe_forced_glog_cap;
-// -1 = unset: the plan decides, within pipe_max_glog).
+// backward, capped by what its shared memory can hold (pipe_forced_glog_cap) and
+// by the rows' next power of two (backward_plan_for; -1 = unset: the plan decides,
+// within pipe_max_glog).
 inline int group_log_override() {
   static const int glog = [] {
     const char* s = std::getenv("NORMSPEC_BWD_GLOG");

@@ -34,8 +34,9 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_FWD_ROW=0``: the persistent forward instead of one row per team;
 * ``NORMSPEC_FWD_TEAM`` / ``NORMSPEC_BWD_TEAM``: threads per row (a power of two;
   1..256 for the pipelined kernels, 32 and more for the register kernels);
-* ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..7;
-  the plan itself goes to 5, within 40 KiB of stacks per block);
+* ``NORMSPEC_BWD_GLOG``: rows per dweight group of the pipelined backward (log2, 0..7,
+  at most the rows' next power of two and what shared memory holds; the plan itself
+  goes to 5, within 40 KiB of stacks per block);
 * ``NORMSPEC_GATE_TABLE=0``: no activation table (every gate evaluated);
 * ``NORMSPEC_FULL_ROW=0``: no constant-geometry kernels (the general ones also
   for rows that fill the team exactly; the CuPy backend's forward reads it too);
