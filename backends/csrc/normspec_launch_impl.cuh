@@ -638,8 +638,7 @@ template <int OP, typename T, int NP, int FULL_TL>
 void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 1 && FULL_TL >= 0) {
-    // glog >= 1: the GC forms take a group's rows two at a time
-    if (saved_rstd(a) != nullptr && plan.glog >= 1 && bwd_gate_table<OP, T>(a, plan)) {
+    if (saved_rstd(a) != nullptr && bwd_gate_table<OP, T>(a, plan)) {
       if (!(a.flags & F_HF))
         return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 0>(a, ws, plan, stream);
       if (!(a.flags & F_W_IS_INPUT))

@@ -736,9 +736,8 @@ __global__ void __launch_bounds__(256)
 // GC >= 0: the gated op's convention as constants, for the gate-table launches of
 // the constant forms (bf16): bit 0 the transformers convention (F_HF), bit 1 a
 // weight of the input dtype (F_W_IS_INPUT); the table is on and its lookups are
-// batched per vector, and the row loop takes two rows per step (glog >= 1 required).
-// GC = -1: the flags decide at run time. The same device functions compute every
-// value either way.
+// batched per vector. GC = -1: the flags decide at run time. The same device
+// functions compute every value either way.
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 __host__ __device__ constexpr int bwd_min_blocks() {
   // the gate table (64 KiB) bounds these launches to two blocks per SM: up to 128
@@ -789,180 +788,156 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   float4* wsm = stk + glog * NP * Q * nthr;
   float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
   const long long mine = tm.slot - tm.lead;
-  // A row's loaded vectors and saved rstd: one set is computed on while the team's
-  // next row streams into the other.
-  struct RowIn {
-    uint4 x[NP], r[NP], dy[NP], dr[NP];
-    float rs;
-  };
+  uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  RowIn A, B, kept;
-#pragma unroll
-  for (int p = 0; p < NP; ++p) A.x[p] = A.r[p] = A.dy[p] = A.dr[p] = zero;
-  A.rs = 1.0f;
-  B = A;
-  auto prefetch = [&](RowIn& n, long long row) {
-    if constexpr (SAVED) n.rs = __ldg(rstd_in + row);
+  float nrs = 1.0f;  // the next row's saved rstd
+  auto prefetch = [&](long long row) {
+    if constexpr (SAVED) nrs = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
-      n.x[p] = load_raw<T>(x + row * sx, col, Hc);
-      if (TWO) n.r[p] = load_raw<T>(r + row * sr, col, Hc);
-      n.dy[p] = load_raw<T>(dy + row * sdy, col, Hc);
-      if (DRES) n.dr[p] = load_raw<T>(dres + row * sdres, col, Hc);
+      nx[p] = load_raw<T>(x + row * sx, col, Hc);
+      if (TWO) nr[p] = load_raw<T>(r + row * sr, col, Hc);
+      ndy[p] = load_raw<T>(dy + row * sdy, col, Hc);
+      if (DRES) ndr[p] = load_raw<T>(dres + row * sdres, col, Hc);
     }
   };
+#pragma unroll
+  for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = zero;
   {
     const long long gi = tm.lead + mine;
-    if (gi < groups) prefetch(A, gi * R);  // row gi * R < rows for every group
+    if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
   }
   // the weight factors and the gate table while the first rows are in flight
   fill_weight_smem<OP, T, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
   if (table) fill_act_grad_table(tab, sig);
   __syncthreads();
   int buf = 0;
-  // The rows of group gi, j = 0 .. R - 1, each computed from `in` while the row after
-  // it in the team's sequence streams into `n`. The GC forms (their launches have
-  // glog >= 1) take two rows per step, A and B taking turns, so that no vector is
-  // copied from one set to the other; an inactive row (past `rows`, or of a team
-  // without a group) stores nothing and pushes +0.0, so it may compute on whatever
-  // its set holds. The others take one row per step from a copy of A (zeroed for an
-  // inactive row) and prefetch into A.
-  constexpr int STEP = GCONST ? 2 : 1;
   for (long long g0 = tm.lead; g0 < groups; g0 += tm.nslots) {
     const long long gi = g0 + mine;
     const bool group_ok = gi < groups;
-    for (long long j0 = 0; j0 < R; j0 += STEP) {
+    for (long long j = 0; j < R; ++j) {
+      const long long row = gi * R + j;
+      const bool active = group_ok && row < rows;
+      // the row after this one in the team's sequence
+      const long long nrow = (j + 1 < R) ? row + 1 : (gi + tm.nslots) * R;
+      const bool nactive = (j + 1 < R) ? (group_ok && nrow < rows) : (gi + tm.nslots < groups);
 #pragma unroll
-      for (int h = 0; h < STEP; ++h) {
-        const long long j = j0 + h;
-        const bool may_end = h == STEP - 1;  // whether j may be the group's last row
-        const long long row = gi * R + j;
-        const bool active = group_ok && row < rows;
-        const bool in_group = !may_end || j + 1 < R;
-        const long long nrow = in_group ? row + 1 : (gi + tm.nslots) * R;
-        const bool nactive = in_group ? (group_ok && nrow < rows) : (gi + tm.nslots < groups);
-        RowIn& n = GCONST && h == 0 ? B : A;
-        if constexpr (!GCONST) {
+      for (int p = 0; p < NP; ++p) {
+        cx[p] = active ? nx[p] : zero;
+        cr[p] = active ? nr[p] : zero;
+        cdy[p] = active ? ndy[p] : zero;
+        cdr[p] = active ? ndr[p] : zero;
+      }
+      const float crs = active ? nrs : 1.0f;
+      if (nactive) prefetch(nrow);
+
+      // the saved rstd, or the row's reduction (inactive rows: any finite value)
+      float rstd = crs;
+      if constexpr (!SAVED)
+        rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
+      buf ^= 1;
+      float part[NP];
+
+      // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
+      // dxhat stays in registers for dx below: recomputing dy * g there instead
+      // (one LDS.128 per four elements and a multiply) cost the rms backward 4-13 %
+      // on the H200 (issue-bound), for no fewer registers.
+      float dxh[NP][VEC];
 #pragma unroll
-          for (int p = 0; p < NP; ++p) {
-            kept.x[p] = active ? A.x[p] : zero;
-            kept.r[p] = active ? A.r[p] : zero;
-            kept.dy[p] = active ? A.dy[p] : zero;
-            kept.dr[p] = active ? A.dr[p] : zero;
+      for (int p = 0; p < NP; ++p) {
+        const int col = p * S + tcol;
+        float v[VEC], dyv[VEC], prod[VEC], c[VEC], g[VEC];
+        norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
+        unpack<T>(cdy[p], dyv);
+        weight_of<VEC>(wsm, p, tm.lane, team_log, g);
+        if constexpr (OP == OP_GATED) {
+          float z[VEC], dg[VEC];
+          unpack<T>(cr[p], z);
+          // GC: the vector's lookups at once; otherwise one element at a time (the
+          // runtime form would hold the vector's pairs in more registers)
+          Act acts[VEC];
+          if constexpr (GCONST) act_grads_from_table<VEC>(tab, z, sig, acts);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xhat = mul(v[k], rstd);
+            Act act;
+            if constexpr (GCONST) {
+              act = acts[k];
+            } else {
+              act = table ? act_grad_from_table(tab, z[k], sig) : act_and_grad_fp32(z[k], sig);
+            }
+            const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
+            dg[k] = gg.dg;
+            dxh[p][k] = gg.dxh;
+            c[k] = gg.contrib;
+            prod[k] = mul(dxh[p][k], xhat);
           }
-          kept.rs = active ? A.rs : 1.0f;
+          if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xhat = mul(v[k], rstd);
+            dxh[p][k] = mul(dyv[k], g[k]);
+            c[k] = mul(dyv[k], xhat);
+            prod[k] = mul(dxh[p][k], xhat);
+          }
         }
-        const RowIn& in = GCONST ? (h == 1 ? B : A) : kept;
-        if (nactive) prefetch(n, nrow);
+        zero_beyond<VEC>(c, col, Hc);
+        zero_beyond<VEC>(prod, col, Hc);
+        part[p] = local_tree<VEC>(prod, P);
+        if (!active) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
+        }
+        // push c onto the stack of this pass: level l holds a left sibling
+        int l = 0;
+        for (; l < glog && ((j >> l) & 1); ++l) {
+#pragma unroll
+          for (int q = 0; q < Q; ++q) {
+            const float4 s = stk[((l * NP + p) * Q + q) * nthr + threadIdx.x];
+            c[4 * q] = add(s.x, c[4 * q]);
+            c[4 * q + 1] = add(s.y, c[4 * q + 1]);
+            c[4 * q + 2] = add(s.z, c[4 * q + 2]);
+            c[4 * q + 3] = add(s.w, c[4 * q + 3]);
+          }
+        }
+        if (l < glog) {
+#pragma unroll
+          for (int q = 0; q < Q; ++q)
+            stk[((l * NP + p) * Q + q) * nthr + threadIdx.x] =
+                make_float4(c[4 * q], c[4 * q + 1], c[4 * q + 2], c[4 * q + 3]);
+        } else if (group_ok && col < Hc) {  // j == R - 1: the group's tree
+          store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
+        }
+      }
+      team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
+      buf ^= 1;
+      const float m = div_by_count(fold_passes<NP>(part, S, P), H);
 
-        // the saved rstd, or the row's reduction
-        float rstd = in.rs;
-        if constexpr (!SAVED)
-          rstd = row_rstd<OP, T, NP>(in.x, in.r, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
-        buf ^= 1;
-        float part[NP];
-
-        // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
-        // dxhat stays in registers for dx below: recomputing dy * g there instead
-        // (one LDS.128 per four elements and a multiply) cost the rms backward 4-13 %
-        // on the H200 (issue-bound), for no fewer registers.
-        float dxh[NP][VEC];
+      // dx (and dresidual)
+      if (active) {
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
           const int col = p * S + tcol;
-          float v[VEC], dyv[VEC], prod[VEC], c[VEC], g[VEC];
-          norm_input_raw<OP, T>(in.x[p], in.r[p], flags, v);
-          unpack<T>(in.dy[p], dyv);
-          weight_of<VEC>(wsm, p, tm.lane, team_log, g);
-          if constexpr (OP == OP_GATED) {
-            float z[VEC], dg[VEC];
-            unpack<T>(in.r[p], z);
-            // GC: the vector's lookups at once; otherwise one element at a time (the
-            // runtime form would hold the vector's pairs in more registers)
-            Act acts[VEC];
-            if constexpr (GCONST) act_grads_from_table<VEC>(tab, z, sig, acts);
+          if (col < Hc) {
+            float v[VEC], out[VEC];
+            norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-              const float xhat = mul(v[k], rstd);
-              Act act;
-              if constexpr (GCONST) {
-                act = acts[k];
-              } else {
-                act = table ? act_grad_from_table(tab, z[k], sig) : act_and_grad_fp32(z[k], sig);
+            for (int k = 0; k < VEC; ++k)
+              out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
+            if constexpr (DRES) {
+              float dr[VEC];
+              unpack<T>(cdr[p], dr);
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) {
+                float dsn = out[k];
+                if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
+                out[k] = add(dsn, dr[k]);
               }
-              const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
-              dg[k] = gg.dg;
-              dxh[p][k] = gg.dxh;
-              c[k] = gg.contrib;
-              prod[k] = mul(dxh[p][k], xhat);
+              if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * sd2, col, Hc, out);
             }
-            if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
-          } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-              const float xhat = mul(v[k], rstd);
-              dxh[p][k] = mul(dyv[k], g[k]);
-              c[k] = mul(dyv[k], xhat);
-              prod[k] = mul(dxh[p][k], xhat);
-            }
-          }
-          zero_beyond<VEC>(c, col, Hc);
-          zero_beyond<VEC>(prod, col, Hc);
-          part[p] = local_tree<VEC>(prod, P);
-          if (!active) {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) c[k] = 0.0f;
-          }
-          // push c onto the stack of this pass: level l holds a left sibling
-          int l = 0;
-          for (; l < glog && ((j >> l) & 1); ++l) {
-#pragma unroll
-            for (int q = 0; q < Q; ++q) {
-              const float4 s = stk[((l * NP + p) * Q + q) * nthr + threadIdx.x];
-              c[4 * q] = add(s.x, c[4 * q]);
-              c[4 * q + 1] = add(s.y, c[4 * q + 1]);
-              c[4 * q + 2] = add(s.z, c[4 * q + 2]);
-              c[4 * q + 3] = add(s.w, c[4 * q + 3]);
-            }
-          }
-          if (l < glog) {
-#pragma unroll
-            for (int q = 0; q < Q; ++q)
-              stk[((l * NP + p) * Q + q) * nthr + threadIdx.x] =
-                  make_float4(c[4 * q], c[4 * q + 1], c[4 * q + 2], c[4 * q + 3]);
-          } else if (group_ok && col < Hc) {  // j == R - 1: the group's tree
-            store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
-          }
-        }
-        team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
-        buf ^= 1;
-        const float m = div_by_count(fold_passes<NP>(part, S, P), H);
-
-        // dx (and dresidual)
-        if (active) {
-#pragma unroll
-          for (int p = 0; p < NP; ++p) {
-            const int col = p * S + tcol;
-            if (col < Hc) {
-              float v[VEC], out[VEC];
-              norm_input_raw<OP, T>(in.x[p], in.r[p], flags, v);
-#pragma unroll
-              for (int k = 0; k < VEC; ++k)
-                out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
-              if constexpr (DRES) {
-                float dr[VEC];
-                unpack<T>(in.dr[p], dr);
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) {
-                  float dsn = out[k];
-                  if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
-                  out[k] = add(dsn, dr[k]);
-                }
-                if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * sd2, col, Hc, out);
-              }
-              store_row<T>(dx + row * sdx, col, Hc, out);
-            }
+            store_row<T>(dx + row * sdx, col, Hc, out);
           }
         }
       }
