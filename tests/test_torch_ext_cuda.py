@@ -337,19 +337,48 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
             assert_bits(g, w, f"{name} {params} saved rstd: {saved is not None}")
 
 
-@pytest.mark.parametrize("extra", [1, 13])
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
+def cuda_kernel_names(fn) -> list[str]:
+    """The names of the CUDA kernels ``fn()`` runs (torch.profiler, in launch order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.parametrize("wdtype,extra", [(torch.float32, 1), (torch.bfloat16, 13)],
+                         ids=["w32", "w16"])
 @pytest.mark.parametrize("hidden", [128, 256])
 @pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
                          ids=lambda p: f"{p['convention']},{p['activation']}")
-def test_gate_table_backward_with_a_partial_last_group(params, hidden, wdtype, extra):
-    """The gate-table backward with the saved rstd (the constant-convention kernels)
-    takes a group's rows two at a time; a row count that leaves the last group part
-    full (odd, too) makes its inactive rows compute on stale vectors, which must
-    neither be stored nor reach dweight."""
-    rows_n = 2**20 // hidden + extra
-    check_case("rms_norm_gated", params, (rows_n, hidden), torch.bfloat16, wdtype, extra,
-               specials=True)
+def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
+    """The gate-table backward with the saved rstd runs the kernels with the convention
+    as constants (GC); with twice as many rows as the device holds teams, the plan's
+    dweight groups have at least four rows (glog >= 2), and the last group is part full
+    (odd, too): its inactive rows must neither be stored nor reach dweight. The spec's
+    bits, and the profiler shows the GC kernel ran. (2**20 elements, the other tests'
+    size, plan glog 0 on an H200: groups of one row.)"""
+    import re
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    team_log = (hidden // 8).bit_length() - 1  # one vector of 8 bf16 per lane
+    teams = sms * (2048 // 256) * (256 >> team_log)
+    shape = (2 * teams + extra, hidden)
+    check_case("rms_norm_gated", params, shape, torch.bfloat16, wdtype, extra, specials=True)
+
+    rows, weight, grads = make_case("rms_norm_gated", params, shape, torch.bfloat16, wdtype,
+                                    extra, specials=True)
+    crows = {k: v.cuda() for k, v in rows.items()}
+    cw, cdy = weight.cuda(), grads[0].cuda()
+    *_, rstd = ext_forward_with_rstd("rms_norm_gated", crows, cw, EPS, params)
+    names = cuda_kernel_names(lambda: ext_backward("rms_norm_gated", [cdy], crows, cw, EPS,
+                                                   params, rstd=rstd))
+    gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 3
+    gc_kernel = re.compile(
+        rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
+    assert any(gc_kernel.search(n) for n in names), names
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------
