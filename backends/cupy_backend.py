@@ -248,12 +248,18 @@ def pipe_block(team_log: int) -> int:
     return 256 if team_log <= 5 else 1 << team_log
 
 
+def pipe_stack_bytes(team_log: int, np_: int, vec: int, glog: int) -> int:
+    """The dweight stacks of a pipelined backward block: glog levels of NP * VEC floats
+    per thread (``normspec::pipe_stack_bytes``)."""
+    return glog * np_ * vec * 4 * pipe_block(team_log)
+
+
 def pipe_smem_bytes(team_log: int, np_: int, vec: int, glog: int, table: bool) -> int:
     """Dynamic shared memory of the pipelined backward: the dweight stacks, the weight
     factors and, with ``table``, the gate table of (act, act') pairs."""
-    stacks = glog * np_ * vec * 4 * pipe_block(team_log)
     weights = (np_ * vec * 4) << team_log
-    return stacks + weights + (_GATE_TABLE_SLOTS * 8 if table else 0)
+    return (pipe_stack_bytes(team_log, np_, vec, glog) + weights
+            + (_GATE_TABLE_SLOTS * 8 if table else 0))
 
 
 def fits_smem(dynamic_bytes: int, optin: int) -> bool:
@@ -273,8 +279,7 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
         return None
     cap = 0
     while (cap < _PIPE_PLAN_LEVELS
-           and pipe_smem_bytes(team_log, np_, vec, cap + 1, False)
-           - pipe_smem_bytes(team_log, np_, vec, 0, False) <= _PIPE_STACK_BUDGET
+           and pipe_stack_bytes(team_log, np_, vec, cap + 1) <= _PIPE_STACK_BUDGET
            and fits_smem(pipe_smem_bytes(team_log, np_, vec, cap + 1, False), optin)):
         cap += 1
     block = pipe_block(team_log)
@@ -978,10 +983,7 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
 
 def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
             shared_mem: int = 0) -> None:
-    if shared_mem:
-        fn(grid, block, args, shared_mem=shared_mem)
-    else:
-        fn(grid, block, args)
+    fn(grid, block, args, shared_mem=shared_mem)  # RawKernel's own default is 0
 
 
 def _smem_optin(cp: Any, dev: int) -> int:
