@@ -432,3 +432,73 @@ def test_geometry_overrides_bitwise(env):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         f"{env}: rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     assert "ignoring" not in done.stderr, done.stderr[-2000:]
+
+
+# ---- the dweight tree's tail ------------------------------------------------------------
+# With NORMSPEC_BWD_GLOG=0 each row is its own dweight group, so the row count sets the
+# tree's width G; the child checks the bits and the launches after the backward kernel.
+TREE_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch.profiler import ProfilerActivity, profile
+import test_torch_ext_cuda as t
+from _torch_ext_cases import assert_bits
+from normspec import spec
+t.te.build()
+
+def levels_before_the_last(g):
+    n = 0
+    while g > 256:
+        c = min(1 << (g - 1).bit_length(), 16)
+        g, n = -(-g // c), n + 1
+    return n
+
+gen = torch.Generator().manual_seed(7)
+for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
+    for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
+                                  (torch.bfloat16, torch.float32, 256),
+                                  (torch.float16, torch.float16, 24),
+                                  (torch.float32, torch.float32, 64)):
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+        w = torch.randn(hidden, generator=gen).to(wdtype)
+        want = spec.rms_norm_backward(dy, x, w, eps=1e-6)
+        xc, dyc, wc = x.cuda(), dy.cuda(), w.cuda()
+        torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)  # warm up
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)
+            torch.cuda.synchronize()
+        what = f"rows={rows} {dtype}/{wdtype} H={hidden}"
+        for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
+            assert_bits(g, ww, f"{name} {what}")
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
+        assert len(main) == 1, (what, names)
+        tail = names[main[0] + 1:]
+        n_level = levels_before_the_last(rows)
+        last = [] if rows == 1 and wdtype == torch.float32 else ["col_tree_last"]
+        want_tail = ["normspec_col_tree_kernel"] * n_level + last
+        assert len(tail) == len(want_tail) and all(
+            k in n for k, n in zip(want_tail, tail)), (what, names)
+print("ok")
+"""
+
+
+def test_backward_ends_with_one_tree_kernel():
+    """dweight's last tree levels and its cast to the weight's dtype are one launch:
+    after the backward kernel come only the 16-row levels that take the groups down to
+    at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none when one fp32
+    row is already the answer); the bits equal the spec's at every tree width."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
+                          env={**os.environ, "NORMSPEC_BWD_GLOG": "0"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

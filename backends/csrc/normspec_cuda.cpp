@@ -95,7 +95,8 @@ void forward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a
 }
 
 // Runs the backward kernel and the dweight row tree; returns dweight in the
-// weight's dtype.
+// weight's dtype. Tree levels of 16 rows run until at most kColTreeLastMax are left;
+// one launch folds those and casts (instead of up to two more levels and a .to()).
 at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, LaunchArgs a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int dt = dtype_code(x.scalar_type());
@@ -108,14 +109,20 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));
   long long G = plan.groups;
-  while (G > 1) {
+  while (G > kColTreeLastMax) {
     const long long gout = col_tree_rows_out(G);
     at::Tensor out = at::empty({gout, a.H}, fopts);
     C10_CUDA_CHECK(launch_col_tree(ws.data_ptr<float>(), out.data_ptr<float>(), G, a.H, stream));
     ws = out;
     G = gout;
   }
-  return ws.view({a.H}).to(weight.scalar_type());
+  // one fp32 row already is an fp32 weight's dweight
+  if (G == 1 && weight.scalar_type() == at::kFloat) return ws.view({a.H});
+  // the last levels and the cast to the weight's dtype: one launch
+  at::Tensor dweight = at::empty({a.H}, x.options().dtype(weight.scalar_type()));
+  C10_CUDA_CHECK(launch_col_tree_last(ws.data_ptr<float>(), dweight.data_ptr(),
+                                      dtype_code(weight.scalar_type()), G, a.H, stream));
+  return dweight;
 }
 
 // ---- operators -------------------------------------------------------------------

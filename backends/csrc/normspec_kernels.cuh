@@ -713,6 +713,19 @@ __global__ void __launch_bounds__(1024)
 }
 
 #ifndef NORMSPEC_NO_COL_TREE  // defined by the per-dtype launch units: one definition only
+namespace normspec {
+// v[0] = the pairwise tree of v[0 .. C), C a power of two <= 16 (the others unused).
+__device__ __forceinline__ void fold_rows(float (&v)[16], long long C) {
+#pragma unroll
+  for (int s = 16; s > 1; s >>= 1) {
+    if (s <= C) {
+#pragma unroll
+      for (int i = 0; i < s / 2; ++i) v[i] = add(v[2 * i], v[2 * i + 1]);
+    }
+  }
+}
+}  // namespace normspec
+
 // One level of the dweight row tree: out[o] = tree of in[o*C .. o*C + C)
 // (rows beyond G are +0.0 padding), C = 2**clog <= 16, o < ceil(G / C).
 // blockDim.x threads over columns, grid (ceil(H / blockDim.x), any).
@@ -732,14 +745,49 @@ __global__ void __launch_bounds__(256)
       const long long gi = o * C + i;
       v[i] = (i < C && gi < G) ? in[gi * H + col] : 0.0f;
     }
-#pragma unroll
-    for (int s = CMAX; s > 1; s >>= 1) {
-      if (s <= C) {
-#pragma unroll
-        for (int i = 0; i < s / 2; ++i) v[i] = add(v[2 * i], v[2 * i + 1]);
-      }
-    }
+    fold_rows(v, C);
     out[o * H + col] = v[0];
+  }
+}
+
+// The last two levels of the dweight row tree and the cast to the weight's dtype in
+// one launch, for G <= 256 rows: out[col] = TW(tree of in[0 .. G) with
+// +0.0 padding to P = next_pow2(G)). The adds are the ones normspec_col_tree_kernel
+// would do, in the same order, run until one row is left: row threadIdx.y = s folds
+// rows [s * C1, s * C1 + C1) with C1 = 2**clog1 = min(16, P), as the first level
+// would, and one thread per column folds the P / C1 = 2**slog partials, as the next
+// level would. The cast rounds to nearest even, as torch's .to() does. Launches
+// (16, 16) threads on ceil(H / 16) blocks (normspec::launch_col_tree_last).
+template <typename TW>
+__global__ void __launch_bounds__(256)
+    normspec_col_tree_last_kernel(const float* __restrict__ in, TW* __restrict__ out,
+                                  long long G, long long H, int clog1, int slog) {
+  using namespace normspec;
+  constexpr int CMAX = 16;
+  __shared__ float partial[CMAX][CMAX + 1];
+  const long long col = static_cast<long long>(blockIdx.x) * CMAX + threadIdx.x;
+  const int C1 = 1 << clog1;
+  const int nseg = 1 << slog;
+  float v[CMAX];
+  if (static_cast<int>(threadIdx.y) < nseg) {
+#pragma unroll
+    for (int i = 0; i < CMAX; ++i) {
+      const long long gi = static_cast<long long>(threadIdx.y) * C1 + i;
+      v[i] = (col < H && i < C1 && gi < G) ? in[gi * H + col] : 0.0f;
+    }
+    fold_rows(v, C1);
+    partial[threadIdx.y][threadIdx.x] = v[0];
+  }
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= H) return;
+#pragma unroll
+  for (int i = 0; i < CMAX; ++i) v[i] = i < nseg ? partial[i][threadIdx.x] : 0.0f;
+  fold_rows(v, nseg);
+  if constexpr (sizeof(TW) == 4) {
+    out[col] = v[0];
+  } else {
+    reinterpret_cast<unsigned short*>(out)[col] =
+        static_cast<unsigned short>(DevIO<TW>::to_bits(v[0]));
   }
 }
 #endif  // NORMSPEC_NO_COL_TREE

@@ -138,4 +138,32 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   return cudaGetLastError();
 }
 
+cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long long G,
+                                 long long H, cudaStream_t stream) {
+  if (G < 1 || G > kColTreeLastMax) return cudaErrorInvalidValue;
+  const long long P = next_pow2(G);
+  const long long C1 = P < 16 ? P : 16;
+  int clog1 = 0, slog = 0;
+  while ((1LL << clog1) < C1) ++clog1;
+  while ((C1 << slog) < P) ++slog;
+  const dim3 grid(grid_for(H, 16)), block(16, 16);
+  switch (out_dtype) {
+    case DT_F32:
+      normspec_col_tree_last_kernel<float>
+          <<<grid, block, 0, stream>>>(in, static_cast<float*>(out), G, H, clog1, slog);
+      break;
+    case DT_BF16:
+      normspec_col_tree_last_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(
+          in, static_cast<__nv_bfloat16*>(out), G, H, clog1, slog);
+      break;
+    case DT_F16:
+      normspec_col_tree_last_kernel<__half>
+          <<<grid, block, 0, stream>>>(in, static_cast<__half*>(out), G, H, clog1, slog);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace normspec

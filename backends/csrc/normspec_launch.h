@@ -70,5 +70,10 @@ cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const Ba
 long long col_tree_rows_out(long long G);
 cudaError_t launch_col_tree(const float* in, float* out, long long G, long long H,
                             cudaStream_t stream);
+// The last levels of the tree and the cast in one launch, for G <= kColTreeLastMax:
+// out (H elements of dtype out_dtype, a Dtype) = the weight-dtype tree of in's G rows.
+constexpr long long kColTreeLastMax = 256;
+cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long long G,
+                                 long long H, cudaStream_t stream);
 
 }  // namespace normspec
