@@ -11,7 +11,10 @@ pipelined backward (``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``,
 ``pipe_backward_launch``; persistent teams with their dweight stacks, weight factors
 and, for large bf16 gated launches, the gate table in shared memory, past 48 KiB with
 the device's opt-in); other rows run the register and streaming kernels
-(``geometry``, ``backward_plan``). Not launched from here: the persistent forward
+(``geometry``, ``backward_plan``). dweight's workspace rows are folded as in the
+extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are left, then one
+launch for the rest and the cast to the weight's dtype (``col_tree_last_launch``).
+Not launched from here: the persistent forward
 with the gate table and the backward forms that read the forward's rstd (this
 backend keeps no forward state). Every kernel gives the spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
@@ -87,6 +90,7 @@ __all__ = [
     "backend",
     "backward_geometry",
     "backward_plan",
+    "col_tree_last_launch",
     "col_tree_rows_out",
     "compile_kernels",
     "cupy_stream_of",
@@ -346,6 +350,20 @@ def col_tree_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int, int,
     return gout, clog, (grid_for(hidden, 256), min(gout, 65535), 1)
 
 
+#: Rows of the workspace tree that one ``normspec_col_tree_last_kernel`` launch folds.
+COL_TREE_LAST_MAX = 256
+
+
+def col_tree_last_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int, int, int]]:
+    """``(clog1, slog, grid)`` of the ``normspec_col_tree_last_kernel`` launch (block
+    16 x 16) that folds the last ``groups <= COL_TREE_LAST_MAX`` workspace rows and casts
+    to the weight's dtype: ``2**slog`` segments of ``2**clog1 = min(16, P)`` rows, ``P``
+    the next power of two of ``groups`` (``normspec::col_tree_last_logs``)."""
+    p = next_pow2(groups)
+    c1 = min(p, 16)
+    return c1.bit_length() - 1, (p // c1).bit_length() - 1, (grid_for(hidden, 16), 1, 1)
+
+
 def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int,
                  sm_count: int) -> tuple[int, int]:
     """``(team_log, NP)`` of the one-row forward (``normspec::row_geometry`` without an
@@ -450,6 +468,8 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
           for n, tl in ((1, 4), (1, 5), (2, 7), (2, 8))),
         f"normspec_bwd_stream_kernel<{op}, {t}>",
         "normspec_col_tree_kernel",
+        # the weight is fp32 or of the input dtype
+        *dict.fromkeys(f"normspec_col_tree_last_kernel<{w}>" for w in ("float", t)),
     ]
 
 
@@ -876,9 +896,6 @@ class _TorchSide(_Side):
     def weight_f32(self, w: torch.Tensor, dt: int) -> Any:
         return self.cp.from_dlpack(w.detach().to(torch.float32).contiguous())
 
-    def dweight(self, ws: torch.Tensor, hidden: int, weight: torch.Tensor) -> torch.Tensor:
-        return ws.view(hidden).to(weight.dtype)
-
     def zeros_like(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(weight)
 
@@ -910,20 +927,6 @@ class _CupySide(_Side):
             bits = cp.ascontiguousarray(w.view(cp.uint16)).astype(cp.uint32)
             return (bits << 16).view(cp.float32)
         return cp.ascontiguousarray(w.astype(cp.float32, copy=False))
-
-    def dweight(self, ws: Any, hidden: int, weight: Any) -> Any:
-        cp = self.cp
-        f = ws.reshape(hidden)
-        code = _cp_dtype_code(weight)
-        if code == DT_F32:
-            return f
-        if code == DT_F16:
-            return f.astype(weight.dtype)
-        # fp32 -> bf16, round to nearest even, NaN -> 0x7FC0 (as torch/c10 does)
-        u = f.view(cp.uint32)
-        rounded = (u + (cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1)))) >> 16
-        bits = cp.where(cp.isnan(f), cp.uint32(0x7FC0), rounded).astype(cp.uint16)
-        return bits.view(weight.dtype)
 
     def zeros_like(self, weight: Any) -> Any:
         return self.cp.zeros_like(weight)
@@ -1137,14 +1140,23 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
             _launch(_kernel(side.dev, op, dt, name), grid, block3, args)
         tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
         g = groups
-        while g > 1:
+        while g > COL_TREE_LAST_MAX:
             gout, clog, tgrid = col_tree_launch(g, hidden)
             out, outv = side.empty_f32((gout, hidden))
             _launch(tree, tgrid, (256, 1, 1),
                     (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
                      np.int32(clog)))
             ws, wsv, g = out, outv, gout
-        dweight = side.dweight(ws, hidden, weight)
+        wdt = _dtype_code(kind, weight)
+        if g == 1 and wdt == DT_F32:  # one fp32 row already is an fp32 weight's dweight
+            dweight = ws.reshape(hidden)
+        else:  # the last levels and the cast to the weight's dtype: one launch
+            dweight, dwv = side.empty_rows(weight)
+            clog1, slog, lgrid = col_tree_last_launch(g, hidden)
+            last = _kernel(side.dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>")
+            _launch(last, lgrid, (16, 16, 1),
+                    (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
+                     np.int32(clog1), np.int32(slog)))
         del keep, w32
         return (*(o for o, _ in outs), dweight)
 

@@ -156,10 +156,15 @@ def test_launch_shapes():
                                          (5, 1, 1), (1024, 1, 1), False)
     assert cb.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
     assert cb.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
+    assert cb.col_tree_last_launch(1, 2048) == (0, 0, (128, 1, 1))
+    assert cb.col_tree_last_launch(12, 100) == (4, 0, (7, 1, 1))
+    assert cb.col_tree_last_launch(256, 2048) == (4, 4, (128, 1, 1))
+    assert cb.col_tree_last_launch(129, 1) == (4, 4, (1, 1, 1))
     for op in (0, 1, 2):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            assert len(names) == len(set(names)) == 32
+            # the last tree kernel for an fp32 weight and, but for fp32 rows, one of x's dtype
+            assert len(names) == len(set(names)) == (33 if dt == cb.DT_F32 else 34)
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
@@ -333,6 +338,10 @@ int main() {
              pipe_forced_glog_cap(g, vec, optin));
     }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
+  for (long long G = 1; G <= kColTreeLastMax; ++G) {
+    const ColTreeLast t = col_tree_last_logs(G);
+    printf("L %lld %d %d\n", G, t.clog1, t.slog);
+  }
   for (long long u : Rs)
     for (int pb : {1, 4, 256}) printf("F %lld %d %u\n", u, pb, grid_for(u, pb));
   return 0;
@@ -407,9 +416,10 @@ def _geo_output(tmp_path, env: dict[str, str] | None = None) -> str:
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_plan_matches_the_cpp_launcher(tmp_path):
-    """geometry, backward_geometry, backward_plan, col_tree_rows_out and grid_for of
-    normspec_launch.cu (compiled on the host, run without a GPU) equal the Python ones, and
-    the pipelined kernels' geometry and backward plan keep their documented invariants."""
+    """geometry, backward_geometry, backward_plan, col_tree_rows_out, col_tree_last_logs
+    and grid_for of normspec_launch.cu (compiled on the host, run without a GPU) equal
+    the Python ones, and the pipelined kernels' geometry and backward plan keep their
+    documented invariants."""
     out = _geo_output(tmp_path)
     # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
     sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
@@ -454,6 +464,9 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             check_stack_cap(*v, line=line)
         elif kind == "C":
             assert cb.col_tree_rows_out(v[0]) == v[1], line
+        elif kind == "L":
+            assert v[0] <= cb.COL_TREE_LAST_MAX, line
+            assert cb.col_tree_last_launch(v[0], 1)[:2] == (v[1], v[2]), line
         elif kind == "F":
             assert cb.grid_for(v[0], v[1]) == v[2], line
         n += 1
@@ -526,6 +539,8 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
             assert re.search("Pfxxxxxxxxffi$", low), (name, low)
         elif name.startswith("normspec_bwd_pipe"):
             assert re.search(pipe, low), (name, low)
+        elif name.startswith("normspec_col_tree_last"):  # in, out (weight dtype), G, H, logs
+            assert re.search("^_Z29normspec_col_tree_last_kernelI.*EvPKfPT_xxii$", low), low
         else:
             assert low == "_Z24normspec_col_tree_kernelPKfPfxxi"
 
@@ -547,3 +562,42 @@ def test_compile_error_reports_the_log(monkeypatch):
     with pytest.raises(cb.NVRTCCompileError, match="NVRTC compile failed") as info:
         cb.compile_kernels(["normspec_col_tree_kernel"], "sm_90")
     assert "expected an expression" in str(info.value)
+
+
+def _fold_pairs(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Adjacent pairs along ``dim`` until one is left (``fold_rows``; fp32, no FMA)."""
+    while t.shape[dim] > 1:
+        left, right = t.unflatten(dim, (-1, 2)).unbind(dim + 1)
+        t = left + right
+    return t.squeeze(dim)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 5, 16, 17, 31, 100, 255, 256, 257, 4097, 70001])
+def test_tree_tail_folds_like_the_spec(groups):
+    """The workspace tree as the kernels run it (levels of 16 rows while more than
+    COL_TREE_LAST_MAX are left, then the last kernel's 2**slog segments of 2**clog1 rows
+    and its fold over them, +0.0 padding throughout), emulated on the CPU with the
+    planner's numbers, gives the spec's row tree bit for bit."""
+    from normspec.spec.rms_norm import row_tree
+
+    gen = torch.Generator().manual_seed(groups)
+    hidden = 8
+    ws = torch.randn(groups, hidden, generator=gen) * torch.logspace(-20, 20, hidden)
+    ws[::7, 0] = -0.0  # -0.0 + +0.0 padding is +0.0: the padding must be where the spec's is
+    ws[::11, 1] = float("inf")
+    ws[3::13, 2] = float("nan")
+    want = row_tree(ws)
+    g, t = groups, ws
+    while g > cb.COL_TREE_LAST_MAX:
+        gout, clog, _grid = cb.col_tree_launch(g, hidden)
+        pad = torch.zeros(gout * (1 << clog) - g, hidden)
+        t = _fold_pairs(torch.cat([t, pad]).view(gout, 1 << clog, hidden), 1)
+        g = gout
+    clog1, slog, grid = cb.col_tree_last_launch(g, hidden)
+    assert grid[0] * 16 >= hidden
+    pad = torch.zeros((1 << (clog1 + slog)) - g, hidden)
+    segments = _fold_pairs(torch.cat([t, pad]).view(1 << slog, 1 << clog1, hidden), 1)
+    got = _fold_pairs(segments.view(1 << slog, hidden), 0)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))

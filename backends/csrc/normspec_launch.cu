@@ -138,14 +138,20 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   return cudaGetLastError();
 }
 
+ColTreeLast col_tree_last_logs(long long G) {
+  const long long P = next_pow2(G);
+  const long long C1 = P < 16 ? P : 16;
+  ColTreeLast t{0, 0};
+  while ((1LL << t.clog1) < C1) ++t.clog1;
+  while ((C1 << t.slog) < P) ++t.slog;
+  return t;
+}
+
 cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long long G,
                                  long long H, cudaStream_t stream) {
   if (G < 1 || G > kColTreeLastMax) return cudaErrorInvalidValue;
-  const long long P = next_pow2(G);
-  const long long C1 = P < 16 ? P : 16;
-  int clog1 = 0, slog = 0;
-  while ((1LL << clog1) < C1) ++clog1;
-  while ((C1 << slog) < P) ++slog;
+  const ColTreeLast t = col_tree_last_logs(G);
+  const int clog1 = t.clog1, slog = t.slog;
   const dim3 grid(grid_for(H, 16)), block(16, 16);
   switch (out_dtype) {
     case DT_F32:

@@ -73,6 +73,11 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
 // The last levels of the tree and the cast in one launch, for G <= kColTreeLastMax:
 // out (H elements of dtype out_dtype, a Dtype) = the weight-dtype tree of in's G rows.
 constexpr long long kColTreeLastMax = 256;
+// Its folds: 2**clog1 = min(16, next_pow2(G)) rows per segment, 2**slog segments.
+struct ColTreeLast {
+  int clog1, slog;
+};
+ColTreeLast col_tree_last_logs(long long G);
 cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long long G,
                                  long long H, cudaStream_t stream);
 
