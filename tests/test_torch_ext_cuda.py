@@ -338,14 +338,16 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
 
 
 def cuda_kernel_names(fn) -> list[str]:
-    """The names of the CUDA kernels ``fn()`` runs (torch.profiler, in launch order)."""
+    """The names of the CUDA kernels ``fn()`` runs (torch.profiler, in launch order;
+    copies and fills, Memcpy / Memset, left out)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"
+            and not e.name.startswith(("Memcpy", "Memset"))]
 
 
 @pytest.mark.parametrize("wdtype,extra", [(torch.float32, 1), (torch.bfloat16, 13)],
@@ -445,7 +447,6 @@ TREE_CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from torch.profiler import ProfilerActivity, profile
 import test_torch_ext_cuda as t
 from _torch_ext_cases import assert_bits
 from normspec import spec
@@ -469,17 +470,12 @@ for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
         w = torch.randn(hidden, generator=gen).to(wdtype)
         want = spec.rms_norm_backward(dy, x, w, eps=1e-6)
         xc, dyc, wc = x.cuda(), dy.cuda(), w.cuda()
-        torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)  # warm up
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            got = torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)
-            torch.cuda.synchronize()
+        got = torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)
         what = f"rows={rows} {dtype}/{wdtype} H={hidden}"
         for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
             assert_bits(g, ww, f"{name} {what}")
-        # the device's kernels (copies and fills would show as Memcpy / Memset)
-        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
-                 and not e.name.startswith(("Memcpy", "Memset"))]
+        names = t.cuda_kernel_names(
+            lambda: torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0))
         main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
         assert len(main) == 1, (what, names)
         tail = names[main[0] + 1:]
