@@ -414,6 +414,7 @@ OVERRIDES = [
     {"NORMSPEC_SAVED_RSTD": "0"},
     {"NORMSPEC_ROW_BLOCK": "32"},
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
+    {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
 ]
 
 

@@ -138,6 +138,14 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   return cudaGetLastError();
 }
 
+long long col_tree_last_rows() {
+  static const long long rows = [] {
+    const char* s = std::getenv("NORMSPEC_TREE_LAST");
+    return (s != nullptr && s[0] == '0' && s[1] == '\0') ? 0LL : kColTreeLastMax;
+  }();
+  return rows;
+}
+
 ColTreeLast col_tree_last_logs(long long G) {
   const long long P = next_pow2(G);
   const long long C1 = P < 16 ? P : 16;

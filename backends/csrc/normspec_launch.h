@@ -73,6 +73,9 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
 // The last levels of the tree and the cast in one launch, for G <= kColTreeLastMax:
 // out (H elements of dtype out_dtype, a Dtype) = the weight-dtype tree of in's G rows.
 constexpr long long kColTreeLastMax = 256;
+// kColTreeLastMax, or 0 with NORMSPEC_TREE_LAST=0 (levels down to one row, then a
+// cast, as before the one-launch tail: for timing one against the other in one build).
+long long col_tree_last_rows();
 // Its folds: 2**clog1 = min(16, next_pow2(G)) rows per segment, 2**slog segments.
 struct ColTreeLast {
   int clog1, slog;
