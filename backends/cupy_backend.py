@@ -37,9 +37,9 @@ Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind
   ``torch.ops.normspec.*_backward``)
 * [`available`][normspec.backends.cupy_backend.available]`() -> str | None`
 
-torch tensors enter zero-copy through DLPack (``cupy.from_dlpack``); outputs are
+torch tensors enter zero-copy as pointers and strides (no CuPy view); outputs are
 allocated by torch (its caching allocator) and written in place through their
-DLPack views, so they come back as torch tensors; kernels run on torch's current
+pointers, so they come back as torch tensors; kernels run on torch's current
 stream (a ``cupy.cuda.ExternalStream``), and gradients flow through a
 ``torch.autograd.Function`` that calls the backward kernels. CuPy arrays run on
 CuPy's current stream and come back as CuPy arrays.
@@ -882,19 +882,20 @@ class _TorchSide(_Side):
                 yield
 
     def raw(self, t: torch.Tensor) -> Any:
-        """A zero-copy CuPy view of ``t``'s bits (DLPack; integer dtype of the same width)."""
-        return self.cp.from_dlpack(t.detach().view(_RAW_TORCH[t.element_size()]))
+        """``t``'s bits as a torch view of the integer dtype of the same width: the
+        kernels take pointers and strides, which torch gives without a CuPy view."""
+        return t.detach().view(_RAW_TORCH[t.element_size()])
 
-    def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(x.shape, dtype=x.dtype, device=self.device)
-        return out, self.raw(out)
+        return out, out
 
-    def empty_f32(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, Any]:
+    def empty_f32(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return out, self.cp.from_dlpack(out)
+        return out, out
 
-    def weight_f32(self, w: torch.Tensor, dt: int) -> Any:
-        return self.cp.from_dlpack(w.detach().to(torch.float32).contiguous())
+    def weight_f32(self, w: torch.Tensor, dt: int) -> torch.Tensor:
+        return w.detach().to(torch.float32).contiguous()
 
     def zeros_like(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(weight)
@@ -951,7 +952,14 @@ def _dtype_code(kind: str, x: Any) -> int:
 
 def _row_view(cp: Any, a: Any) -> tuple[Any, int]:
     """``(array read, row stride in elements)``; a contiguous (bitwise) copy when the
-    rows do not collapse into one stride."""
+    rows do not collapse into one stride. ``a`` is a CuPy array or a torch tensor (an
+    integer view of the rows' bits, so that the copy is bitwise too)."""
+    if isinstance(a, torch.Tensor):
+        rs = _collapsible_stride(a.shape, a.stride())
+        if rs is None:
+            a = a.contiguous()
+            rs = a.shape[-1]
+        return a, rs
     item = a.itemsize
     rs = None
     if all(s % item == 0 for s in a.strides):
@@ -963,7 +971,8 @@ def _row_view(cp: Any, a: Any) -> tuple[Any, int]:
 
 
 def _ptr(a: Any) -> int:
-    return int(a.data.ptr)
+    """The device address of a torch tensor's or a CuPy array's first element."""
+    return a.data_ptr() if isinstance(a, torch.Tensor) else int(a.data.ptr)
 
 
 def _numel(x: Any) -> int:

@@ -128,6 +128,35 @@ def test_row_stride_of_layouts():
     assert cb._collapsible_stride((3, 4), (-4, 1)) is None  # negative: copied
 
 
+def test_torch_rows_enter_as_pointers():
+    """Torch rows reach the kernels as a pointer and a row stride, without a CuPy view:
+    the integer view of their bits, and a bitwise contiguous copy only when the leading
+    dims do not collapse. The rows the kernels address from (pointer, stride) hold the
+    input's bits, NaN payloads included."""
+    side = object.__new__(cb._TorchSide)  # raw() needs no device
+    nan = torch.tensor([0x7FC1], dtype=torch.int16).view(torch.bfloat16)
+    base = torch.randn(6, 4, 24).to(torch.bfloat16)
+    base[0, 0, 0] = nan[0]
+    layouts = {
+        "contiguous": (base, False),
+        "sliced columns": (base[..., :16], False),
+        "rows of a bigger batch": (base[1:5], False),
+        "non-collapsing": (base[:, :3], True),
+        "transposed": (base.transpose(0, 1), True),
+    }
+    for name, (t, copied) in layouts.items():
+        raw = side.raw(t)
+        assert raw.dtype == torch.int16 and raw.data_ptr() == t.data_ptr(), name
+        view, rs = cb._row_view(None, raw)
+        assert (view.data_ptr() != t.data_ptr()) == copied, name
+        assert cb._ptr(view) == view.data_ptr()
+        hidden = t.shape[-1]
+        rows = t.numel() // hidden
+        seen = torch.as_strided(view, (rows, hidden), (rs, 1))
+        want = t.reshape(rows, hidden).view(torch.int16)
+        assert torch.equal(seen, want), name
+
+
 def test_alignment_flag():
     a = cb._Args(x=4096, w=8192, y=16384, rows=3, H=8, sx=8, sy=8)
     assert cb.with_alignment(a, 4).flags & cb.F_ALIGNED
