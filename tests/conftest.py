@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker's CPU threads get an even share of
+    the cores, and so do the child processes the tests start (``OMP_NUM_THREADS``):
+    N workers that each spread torch's CPU work over every core slow one another
+    down many times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
