@@ -7,6 +7,7 @@
 #
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
+#   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
 #   BACKWARD=1 adds the gated backward to the ncu stages)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
@@ -34,8 +35,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> 
 run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
-    tests)
-      run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider ${TESTS_PATHS:-tests} ;;
+    tests)  # in TESTS_WORKERS processes (default 8) where pytest-xdist is installed
+      workers=""
+      python3 -c "import xdist" 2>/dev/null && workers="-n ${TESTS_WORKERS:-8}"
+      run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
+        $workers ${TESTS_PATHS:-tests} ;;
     conformance)  # every backend; CONFORMANCE_ARGS e.g. "--quick"
       run ${CONF_LIMIT:-420} conformance-cuda_bf16 python3 -m nox -s conformance-cuda -- \
         --profile cuda_bf16 ${CONFORMANCE_ARGS:-} ;;
