@@ -657,8 +657,15 @@ __global__ void __launch_bounds__(256)
     cx[p] = make_uint4(0u, 0u, 0u, 0u);
     cr[p] = cx[p];
     if (row < rows) {
+#if NORMSPEC_ROW_ADDRESS_PER_PASS
+      // Experiment (bench/micro/row_forward_ab.cu): each pass's address from the row's
+      // start, as before f07903c.
+      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
+      if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
+#else
       cx[p] = load_raw<T>(x + row * sx + tcol, p * S, Hl);
       if (TWO) cr[p] = load_raw<T>(r + row * sr + tcol, p * S, Hl);
+#endif
     }
   }
   // One pass (the small-row geometry, few rows in flight): the weight's load is issued
@@ -668,6 +675,20 @@ __global__ void __launch_bounds__(256)
   if constexpr (NP == 1) {
     if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
+#if NORMSPEC_ROW_WEIGHT_PREFETCH
+  // Experiment (bench/micro/row_forward_ab.cu): more passes load the weight after the
+  // reduction; ask for its lines in L1 now, at no register cost.
+  if constexpr (NP > 1) {
+    const int wsize = (sizeof(T) == 2 && (flags & F_W_RAW)) ? 2 : 4;
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const int col = p * S + tcol;
+      if (row < rows && col < Hc)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(w) +
+                                                     static_cast<long long>(col) * wsize));
+    }
+  }
+#endif
   // The values the norm reads, formed once for the reduction and the output. For the
   // two-input ops they take the registers of the raw x and residual / gate vectors
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
@@ -696,7 +717,12 @@ __global__ void __launch_bounds__(256)
       if constexpr (KEEP) {
         forward_of<OP, T>(v[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
       } else {
+#if NORMSPEC_ROW_ADDRESS_PER_PASS
+        forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
+                              OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
+#else
         forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
+#endif
       }
     }
   }

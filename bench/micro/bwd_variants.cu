@@ -25,13 +25,6 @@ using bf16 = __nv_bfloat16;
 using namespace normspec;
 using namespace normspec::launch_detail;
 
-static unsigned long long fnv(const void* d, size_t bytes, unsigned long long h) {
-  std::vector<unsigned char> b(bytes);
-  CK(cudaMemcpy(b.data(), d, bytes, cudaMemcpyDeviceToHost));
-  for (unsigned char c : b) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 template <int OP>
 static void run_case(const char* name, int glog, Timer& timer) {
   const long long rows = 32768, H = 2048;

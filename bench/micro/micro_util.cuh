@@ -31,6 +31,15 @@ inline void fill_bf16(__nv_bfloat16* d, size_t n, unsigned seed) {
   CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
 }
 
+// FNV-1a hash of `bytes` of device memory at d, continuing from h (start with
+// 1469598103934665603): outputs of two builds compare by their hashes.
+inline unsigned long long fnv(const void* d, size_t bytes, unsigned long long h) {
+  std::vector<unsigned char> b(bytes);
+  CK(cudaMemcpy(b.data(), d, bytes, cudaMemcpyDeviceToHost));
+  for (unsigned char c : b) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 // Median microseconds of `launch` over `reps` runs, each after a 512 MiB memset
 // (which leaves L2 full of dirty lines, as triton's do_bench does), after 5 warm-ups.
 struct Timer {

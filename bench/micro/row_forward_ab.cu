@@ -1,0 +1,90 @@
+// A/B experiment for the one-row forward (normspec_fwd_row_kernel), bf16 rows and a
+// bf16 weight as the bench passes them, launched through the shipped launcher
+// (forward_t: the same geometry, block size and constant forms as the extension).
+// The full bench put rms 4096 x 2048 at 14.3-14.5 us up to 146c85f and at 15.4-15.5 since
+// 5e00fde; f07903c (fewer instructions in the one-row forward) is the one forward change
+// in between. Build one binary per variant and compare their times; their output hashes
+// must be equal (a variant changes the kernel's structure, never its arithmetic):
+//
+//   for v in "" -DNORMSPEC_ROW_ADDRESS_PER_PASS=1 -DNORMSPEC_ROW_WEIGHT_PREFETCH=1; do
+//     nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc $v \
+//          bench/micro/row_forward_ab.cu -o /tmp/row_ab && /tmp/row_ab "${v:-default}"
+//   done
+//
+//   NORMSPEC_ROW_ADDRESS_PER_PASS: every pass's loads (and the rms norm's stores)
+//     addressed from the row's start, as before f07903c (its other change, the values
+//     formed once, gives the rms forms the same SASS up to register names);
+//   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
+//     into L1 before the reduction (the weight itself is still loaded after it).
+//
+// Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
+// L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "micro_util.cuh"
+#include "normspec_launch_impl.cuh"
+
+using bf16 = __nv_bfloat16;
+using namespace normspec;
+using namespace normspec::launch_detail;
+
+// rms (offset 1, the zero-centred norm) or fused (rounded residual sum, offset 1)
+// over rows x H, as the bench times them.
+template <int OP>
+static void run_case(const char* label, const char* name, long long rows, long long H,
+                     Timer& timer) {
+  const size_t n = static_cast<size_t>(rows) * H;
+  bf16 *x, *r = nullptr, *y, *y2 = nullptr, *w;
+  CK(cudaMalloc(&x, n * 2));
+  CK(cudaMalloc(&y, n * 2));
+  CK(cudaMalloc(&w, H * 2));
+  fill_bf16(x, n, 1);
+  fill_bf16(w, H, 5);
+  if (OP == OP_FUSED) {
+    CK(cudaMalloc(&r, n * 2));
+    CK(cudaMalloc(&y2, n * 2));
+    fill_bf16(r, n, 2);
+  }
+  LaunchArgs a;
+  a.x = x;
+  a.r = r;
+  a.y = y;
+  a.y2 = y2;
+  a.w_in_dtype = w;  // read as it is, as the extension does for a bf16 weight
+  a.rows = rows;
+  a.H = H;
+  a.sx = a.sr = a.sy = a.sy2 = H;
+  a.eps = 1e-6f;
+  a.offset = 1.0f;
+  a.flags = F_OFFSET | F_W_IS_INPUT | (OP == OP_FUSED ? F_ROUNDED : 0);
+  set_alignment(a, 2);
+  const float us = timer.median_us([&] { forward_t<OP, bf16>(a, nullptr); });
+  CK(cudaDeviceSynchronize());
+  unsigned long long h = fnv(y, n * 2, 1469598103934665603ull);
+  if (y2 != nullptr) h = fnv(y2, n * 2, h);
+  std::printf("%-34s %-10s %8lld x %-5lld %9.2f us  %016llx\n", label, name, rows, H, us, h);
+  CK(cudaFree(x));
+  CK(cudaFree(y));
+  CK(cudaFree(w));
+  if (r != nullptr) CK(cudaFree(r));
+  if (y2 != nullptr) CK(cudaFree(y2));
+}
+
+int main(int argc, char** argv) {
+  const char* label = argc > 1 ? argv[1] : "default";
+  Timer timer;
+  run_case<OP_RMS>(label, "rms", 4096, 2048, timer);
+  run_case<OP_RMS>(label, "rms", 32768, 2048, timer);
+  run_case<OP_RMS>(label, "rms", 65536, 2048, timer);
+  run_case<OP_RMS>(label, "rms", 64, 2048, timer);
+  run_case<OP_RMS>(label, "rms", 1, 2048, timer);
+  run_case<OP_RMS>(label, "q/k rms", 524288, 256, timer);
+  run_case<OP_RMS>(label, "q/k rms", 4096, 256, timer);
+  run_case<OP_FUSED>(label, "fused", 32768, 2048, timer);
+  run_case<OP_FUSED>(label, "fused", 4096, 2048, timer);
+  return 0;
+}
