@@ -16,10 +16,10 @@ def pytest_configure(config):
     N workers that each spread torch's CPU work over every core slow one another
     down many times over."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1:
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS", "").isdigit():
         share = max(1, (os.cpu_count() or 1) // workers)
-        os.environ.setdefault("OMP_NUM_THREADS", str(share))
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config, items):
