@@ -139,10 +139,7 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
 }
 
 long long col_tree_last_rows() {
-  static const long long rows = [] {
-    const char* s = std::getenv("NORMSPEC_TREE_LAST");
-    return (s != nullptr && s[0] == '0' && s[1] == '\0') ? 0LL : kColTreeLastMax;
-  }();
+  static const long long rows = switched_off("NORMSPEC_TREE_LAST") ? 0LL : kColTreeLastMax;
   return rows;
 }
 

@@ -68,6 +68,13 @@ inline Geometry default_backward_geometry(long long H, int vec) {
   return {1024, 0};
 }
 
+// Whether environment variable `name` is exactly "0": the speed switches that keep an
+// older code path for timing (read once by each caller).
+inline bool switched_off(const char* name) {
+  const char* s = std::getenv(name);
+  return s != nullptr && s[0] == '0' && s[1] == '\0';
+}
+
 // The team size in environment variable `name` (0 = unset or invalid).
 inline int team_from_env(const char* name, int max_threads) {
   const char* s = std::getenv(name);
@@ -190,10 +197,7 @@ inline void set_alignment(LaunchArgs& a, int esize) {
 // NP <= 4); NORMSPEC_PIPE=0 turns them off (the register / streaming kernels
 // above then run everything, as before).
 inline bool pipe_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_PIPE");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool on = !switched_off("NORMSPEC_PIPE");
   return on;
 }
 
@@ -254,30 +258,21 @@ inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads,
 // NORMSPEC_FWD_ROW=0: the persistent pipelined forward everywhere (default:
 // the one-row-per-team kernel wherever the gate table is not used).
 inline bool row_forward_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_FWD_ROW");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool on = !switched_off("NORMSPEC_FWD_ROW");
   return on;
 }
 
 // NORMSPEC_FULL_ROW=0: no constant-geometry forms (default: rows that fill the
 // team exactly run the forms whose geometry predicates fold away at compile time).
 inline bool full_row_forms_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_FULL_ROW");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool on = !switched_off("NORMSPEC_FULL_ROW");
   return on;
 }
 
 // NORMSPEC_SAVED_RSTD=0: the pipelined backward recomputes rstd even where the
 // forward's is given (a.rstd_in; default: it reads the given one). Same bits.
 inline bool saved_rstd_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_SAVED_RSTD");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool on = !switched_off("NORMSPEC_SAVED_RSTD");
   return on;
 }
 inline const float* saved_rstd(const LaunchArgs& a) {
@@ -430,10 +425,7 @@ inline int pipe_forced_glog_cap(const PipeGeometry& g, int vec, int optin) {
 constexpr long long GATE_TABLE_MIN_ELEMENTS = 1LL << 20;
 // NORMSPEC_GATE_TABLE=0 turns the table off (read once per process).
 inline bool gate_table_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_GATE_TABLE");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool on = !switched_off("NORMSPEC_GATE_TABLE");
   return on;
 }
 inline bool wants_gate_table(int op, bool bf16, const LaunchArgs& a) {
