@@ -383,6 +383,27 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     assert any(gc_kernel.search(n) for n in names), names
 
 
+@pytest.mark.parametrize("hidden", [24, 128, 2048, 5000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("op,params", VARIANTS, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
+    """One row with a weight of the input's 16-bit dtype: the pipelined backward's one
+    dweight group is dweight, which the kernel stores rounded to that dtype itself (no
+    workspace tree, no cast launch). The bits equal the spec's (specials included,
+    with and without the saved rstd) and the backward is a single kernel."""
+    check_case(op, params, (1, hidden), dtype, dtype, hidden, specials=True)
+    check_case(op, params, (1, hidden), dtype, dtype, hidden + 1, specials=False)
+    rows, weight, grads = make_case(op, params, (1, hidden), dtype, dtype, 0, specials=False)
+    crows = {k: v.cuda() for k, v in rows.items()}
+    cw, cgrads = weight.cuda(), [g.cuda() for g in grads]
+    *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
+    for saved in (None, rstd):
+        names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
+                                                                   params, rstd=saved))
+        assert len(names) == 1 and "normspec_bwd_pipe_kernel" in names[0], names
+
+
 # ---- the pipelined kernels under every geometry override ------------------------------
 # The overrides are read once per process, so each setting runs in a child process.
 OVERRIDE_CHILD = r"""
@@ -445,6 +466,7 @@ def test_geometry_overrides_bitwise(env):
 # With NORMSPEC_BWD_GLOG=0 each row is its own dweight group, so the row count sets the
 # tree's width G; the child checks the bits and the launches after the backward kernel.
 TREE_CHILD = r"""
+import os
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch
@@ -460,6 +482,7 @@ def levels_before_the_last(g):
         g, n = -(-g // c), n + 1
     return n
 
+final = os.environ.get("NORMSPEC_DW_FINAL") != "0"
 gen = torch.Generator().manual_seed(7)
 for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
     for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
@@ -481,7 +504,10 @@ for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
         assert len(main) == 1, (what, names)
         tail = names[main[0] + 1:]
         n_level = levels_before_the_last(rows)
-        last = [] if rows == 1 and wdtype == torch.float32 else ["col_tree_last"]
+        # one row: an fp32 weight's dweight is the workspace row; a 16-bit weight of
+        # the input's dtype is stored by the backward kernel (unless NORMSPEC_DW_FINAL=0)
+        one_launch = wdtype == torch.float32 or (wdtype == dtype and final)
+        last = [] if rows == 1 and one_launch else ["col_tree_last"]
         want_tail = ["normspec_col_tree_kernel"] * n_level + last
         assert len(tail) == len(want_tail) and all(
             k in n for k, n in zip(want_tail, tail)), (what, names)
@@ -489,11 +515,14 @@ print("ok")
 """
 
 
-def test_backward_ends_with_one_tree_kernel():
+@pytest.mark.parametrize("final", ["1", "0"], ids=["dw_final", "dw_final_off"])
+def test_backward_ends_with_one_tree_kernel(final):
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to
-    at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none when one fp32
-    row is already the answer); the bits equal the spec's at every tree width."""
+    at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none for one row with
+    an fp32 weight, whose workspace row is the answer, or a weight of the 16-bit
+    input's dtype, which the backward kernel stores itself unless
+    ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width."""
     import os
     import subprocess
     import sys
@@ -504,7 +533,7 @@ def test_backward_ends_with_one_tree_kernel():
     # pipelined backward, where the forced glog applies
     env = {k: v for k, v in os.environ.items() if k not in GEOMETRY_VARIABLES}
     done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
-                          env={**env, "NORMSPEC_BWD_GLOG": "0"},
+                          env={**env, "NORMSPEC_BWD_GLOG": "0", "NORMSPEC_DW_FINAL": final},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

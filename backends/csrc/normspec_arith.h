@@ -207,6 +207,8 @@ enum Flags : int {
   F_GATE_TABLE = 64,  // gated bf16, pipelined kernels: activation table in shared memory
   F_W_RAW = 128,      // pipelined kernels, 16-bit inputs: the weight pointer holds the
                       // input dtype (widened exactly), not fp32
+  F_DW_FINAL = 256,   // pipelined backward, one dweight group: its tree is dweight, stored
+                      // rounded to the input dtype at ws (which holds H of them)
 };
 
 }  // namespace normspec

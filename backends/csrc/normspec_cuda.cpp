@@ -105,6 +105,14 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
   BackwardPlan plan = backward_plan_for(dt, a, sms);
   const at::Tensor w32 = weight_fp32_unless_as_is(a, op, dt, &plan, weight);
   if (w32.defined()) plan = backward_plan_for(dt, a, sms);  // the alignment may differ
+  if (writes_dweight_final(dt, dtype_code(weight.scalar_type()), plan)) {
+    // one group: the backward kernel stores dweight in the weight's dtype itself
+    at::Tensor dweight = at::empty({a.H}, x.options().dtype(weight.scalar_type()));
+    a.flags |= F_DW_FINAL;
+    C10_CUDA_CHECK(launch_backward(op, dt, a, static_cast<float*>(dweight.data_ptr()), plan,
+                                   stream));
+    return dweight;
+  }
   const at::TensorOptions fopts = x.options().dtype(at::kFloat);
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));

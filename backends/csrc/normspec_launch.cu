@@ -105,6 +105,15 @@ bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const Backward
   return forward_kind(op, dtype == DT_BF16, a, vec_of(dtype)) != FWD_REGISTER;
 }
 
+bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan) {
+  static const bool enabled = [] {
+    const char* s = std::getenv("NORMSPEC_DW_FINAL");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  return enabled && plan.pipe != 0 && plan.groups == 1 && dtype != DT_F32 &&
+         weight_dtype == dtype;
+}
+
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream) {
   if (!reads_weight_in_input_dtype(op, dtype, a, nullptr)) {
     if (a.w == nullptr) return cudaErrorInvalidValue;

@@ -60,6 +60,12 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count);
 // reads the weight from a.w_in_dtype (set, 16-byte aligned, 16-bit dtype, and
 // the call runs on a pipelined kernel); otherwise a.w must hold fp32 weights.
 bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const BackwardPlan* plan);
+// Whether the backward kernel of `plan` stores dweight itself (a.flags | F_DW_FINAL,
+// ws then pointing at H values of the input dtype): one dweight group, a 16-bit input
+// and a weight of the same dtype, so the group's tree rounded to that dtype is
+// dweight and no tree or cast launch follows. Off with NORMSPEC_DW_FINAL=0 (read
+// once), for timing one against the other in one build.
+bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan);
 // Kernel launches on `stream`; they return cudaGetLastError() (cudaErrorInvalidValue
 // when a.w is needed and null).
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);

@@ -733,7 +733,8 @@ __global__ void __launch_bounds__(256)
 // consecutive rows (rows beyond `rows` contribute +0.0) with a per-column
 // binary-counter stack in dynamic shared memory: glog levels of NP * VEC floats
 // per thread, laid out [level][pass][VEC/4][thread] as float4 (no bank
-// conflicts). One fp32 row per group goes to ws[g * H + col].
+// conflicts). One fp32 row per group goes to ws[g * H + col]; with F_DW_FINAL (one
+// group) the group's tree is dweight and goes to ws as H values of T instead.
 //   OP_RMS:   r, dres, d2 unused.
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
 //   OP_FUSED_SUM: x = the sum s, dres as OP_FUSED; r, d2 unused (dx is ds).
@@ -934,7 +935,10 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
             stk[((l * NP + p) * Q + q) * nthr + threadIdx.x] =
                 make_float4(c[4 * q], c[4 * q + 1], c[4 * q + 2], c[4 * q + 3]);
         } else if (group_ok && col < Hc) {  // j == R - 1: the group's tree
-          store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
+          if (flags & F_DW_FINAL)  // the only group (gi == 0): dweight itself
+            store_row<T>(reinterpret_cast<T*>(ws), col, Hc, c);
+          else
+            store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
         }
       }
       team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);

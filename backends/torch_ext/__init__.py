@@ -43,6 +43,10 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_TREE_LAST=0``: dweight's workspace tree folded by levels of 16 rows down
   to one row and then cast, instead of a last launch that folds up to 256 rows and
   casts (the torch extension only);
+* ``NORMSPEC_DW_FINAL=0``: where the pipelined backward has one dweight group (one
+  row) of a 16-bit input whose weight has its dtype, the workspace row and a cast
+  launch, instead of the backward kernel storing dweight itself (the torch extension
+  only);
 * ``NORMSPEC_SAVED_RSTD=0``: the pipelined backward recomputes rstd even where the
   forward's is given;
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
