@@ -515,14 +515,16 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("final", ["1", "0"], ids=["dw_final", "dw_final_off"])
-def test_backward_ends_with_one_tree_kernel(final):
+@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0", "NORMSPEC_PDL": "0"}],
+                         ids=["default", "dw_final_and_pdl_off"])
+def test_backward_ends_with_one_tree_kernel(old_paths):
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to
     at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none for one row with
     an fp32 weight, whose workspace row is the answer, or a weight of the 16-bit
     input's dtype, which the backward kernel stores itself unless
-    ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width."""
+    ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width, with the
+    tree's launches chained (programmatic dependent launch) or not (``NORMSPEC_PDL=0``)."""
     import os
     import subprocess
     import sys
@@ -531,9 +533,10 @@ def test_backward_ends_with_one_tree_kernel(final):
     tests = str(Path(__file__).resolve().parent)
     # only the forced glog: another geometry override could keep rows off the
     # pipelined backward, where the forced glog applies
-    env = {k: v for k, v in os.environ.items() if k not in GEOMETRY_VARIABLES}
+    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL"}
+    env = {k: v for k, v in os.environ.items() if k not in cleared}
     done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
-                          env={**env, "NORMSPEC_BWD_GLOG": "0", "NORMSPEC_DW_FINAL": final},
+                          env={**env, "NORMSPEC_BWD_GLOG": "0", **old_paths},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

@@ -36,6 +36,26 @@
 
 namespace normspec {
 
+// ---- programmatic dependent launch (sm_90 and later; no-ops elsewhere) ----------
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization
+// (normspec::launch_chained) may start while the kernel before it in the stream
+// still runs: it calls wait_for_previous_grid() before touching memory, which
+// returns once that grid has completed and its writes are visible. The kernel
+// before it calls let_dependents_launch() to let such a launch start early.
+// Launched without the attribute (the CuPy backend, CUDA graph capture), both
+// return at once.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // ---- dtype I/O ------------------------------------------------------------------
 template <typename T>
 struct DevIO;
@@ -734,6 +754,8 @@ __global__ void __launch_bounds__(256)
                              long long G, long long H, int clog) {
   using namespace normspec;
   constexpr int CMAX = 16;
+  let_dependents_launch();  // the next level or the last fold waits for this grid
+  wait_for_previous_grid();
   const long long col = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= H) return;
   const long long C = 1LL << clog;
@@ -765,6 +787,7 @@ __global__ void __launch_bounds__(256)
   using namespace normspec;
   constexpr int CMAX = 16;
   __shared__ float partial[CMAX][CMAX + 1];
+  wait_for_previous_grid();
   const long long col = static_cast<long long>(blockIdx.x) * CMAX + threadIdx.x;
   const int C1 = 1 << clog1;
   const int nseg = 1 << slog;

@@ -38,6 +38,58 @@ cudaError_t dispatch(int op, int dtype, bool backward, LaunchArgs a, float* ws,
   return cudaGetLastError();
 }
 
+// Whether a launch on `stream` may use programmatic dependent launch: a device of
+// compute capability 9.0 or later, a stream not being captured into a CUDA graph
+// (captures keep plain launches), and not NORMSPEC_PDL=0 (read once).
+bool chained_launch_allowed(cudaStream_t stream) {
+  static const bool enabled = [] {
+    const char* s = std::getenv("NORMSPEC_PDL");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  if (!enabled) return false;
+  static int major[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return false;
+  }
+  if (major[dev] == 0 &&
+      cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    major[dev] = -1;
+  }
+  if (major[dev] < 9) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusNone;
+}
+
+// Launches `kernel` after the stream's previous kernel, letting it start (and wait in
+// normspec::wait_for_previous_grid) while that kernel finishes, where allowed; else a
+// plain launch. The kernels launched so call wait_for_previous_grid() first.
+template <typename... Params, typename... Args>
+cudaError_t launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
+                           cudaStream_t stream, Args... args) {
+  if (!chained_launch_allowed(stream)) {
+    kernel<<<grid, block, 0, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 }  // namespace
 
 int current_device_sms() { return device_sms(); }
@@ -143,8 +195,7 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   while ((1LL << clog) < C) ++clog;
   const long long gout = (G + C - 1) / C;
   const dim3 grid(grid_for(H, 256), static_cast<unsigned>(gout < 65535 ? gout : 65535));
-  normspec_col_tree_kernel<<<grid, 256, 0, stream>>>(in, out, G, H, clog);
-  return cudaGetLastError();
+  return launch_chained(normspec_col_tree_kernel, grid, dim3(256), stream, in, out, G, H, clog);
 }
 
 long long col_tree_last_rows() {
@@ -169,21 +220,17 @@ cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long
   const dim3 grid(grid_for(H, 16)), block(16, 16);
   switch (out_dtype) {
     case DT_F32:
-      normspec_col_tree_last_kernel<float>
-          <<<grid, block, 0, stream>>>(in, static_cast<float*>(out), G, H, clog1, slog);
-      break;
+      return launch_chained(normspec_col_tree_last_kernel<float>, grid, block, stream, in,
+                            static_cast<float*>(out), G, H, clog1, slog);
     case DT_BF16:
-      normspec_col_tree_last_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(
-          in, static_cast<__nv_bfloat16*>(out), G, H, clog1, slog);
-      break;
+      return launch_chained(normspec_col_tree_last_kernel<__nv_bfloat16>, grid, block, stream,
+                            in, static_cast<__nv_bfloat16*>(out), G, H, clog1, slog);
     case DT_F16:
-      normspec_col_tree_last_kernel<__half>
-          <<<grid, block, 0, stream>>>(in, static_cast<__half*>(out), G, H, clog1, slog);
-      break;
+      return launch_chained(normspec_col_tree_last_kernel<__half>, grid, block, stream, in,
+                            static_cast<__half*>(out), G, H, clog1, slog);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace normspec
