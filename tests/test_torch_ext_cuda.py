@@ -127,7 +127,7 @@ def test_weight_in_the_input_dtype(op, params, how):
     """A bf16 weight of bf16 inputs is read as it is where it is contiguous and aligned,
     else through an fp32 copy: the same bits either way, on the one-row forward, the
     persistent forward with the gate table (2**16 x 128 gated) and the backward."""
-    for seed, shape in enumerate([(4096, 2048), (2**16, 128), (37, 1003), (5, 8)]):
+    for seed, shape in enumerate([(4096, 2048), (2**16, 128), (37, 1003), (5, 8), (1, 2048)]):
         rows, weight, grads = make_case(op, params, shape, torch.bfloat16, torch.bfloat16, seed,
                                         specials=True)
         cw = _bind_weight(weight, how)
@@ -224,17 +224,21 @@ def test_many_rows_dweight_tree():
 def test_negative_zero_padding():
     # rows a power of two: the spec's tree has no padding, so the -0.0 sums stay -0.0
     # (and a dweight group deeper than the rows, forced by NORMSPEC_BWD_GLOG, must not
-    # add any: the override child runs this too)
-    for hidden, rows in [(3, 3), (5, 6), (1, 3), (1003, 37), (8, 4), (64, 2), (64, 16)]:
-        x = torch.ones(rows, hidden)
-        w = torch.ones(hidden)
-        dy = torch.full((rows, hidden), -0.0)
-        from normspec import spec
+    # add any: the override child runs this too); bf16 with a bf16 weight also where
+    # the backward kernel stores dweight itself (one group)
+    from normspec import spec
 
-        want = spec.rms_norm_backward(dy, x, w, eps=EPS)
-        got = torch.ops.normspec.rms_norm_backward(dy.cuda(), x.cuda(), w.cuda(), EPS, 0.0)
-        for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
-            assert_bits(g, ww, name)
+    shapes = [(3, 3), (5, 6), (1, 3), (1003, 37), (8, 4), (64, 2), (64, 16), (64, 1),
+              (256, 1)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden, rows in shapes:
+            x = torch.ones(rows, hidden, dtype=dtype)
+            w = torch.ones(hidden, dtype=dtype)
+            dy = torch.full((rows, hidden), -0.0, dtype=dtype)
+            want = spec.rms_norm_backward(dy, x, w, eps=EPS)
+            got = torch.ops.normspec.rms_norm_backward(dy.cuda(), x.cuda(), w.cuda(), EPS, 0.0)
+            for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
+                assert_bits(g, ww, f"{name} {dtype} {rows}x{hidden}")
 
 
 def test_batch_invariance():
@@ -418,6 +422,11 @@ for shape in [(1000, 2048), (20000, 128), (333, 1003), (77, 4100), (4097, 8)]:
         t.check_case(op, params, shape, torch.bfloat16, torch.float32, 5, specials=True)
 t.check_case("rms_norm", {"offset": 0.0}, (3000, 512), torch.float32, torch.float32, 6,
              specials=True)
+# a weight of the input's dtype and few rows: under a forced glog, one dweight group
+# deeper than the rows, which the backward kernel stores as dweight itself
+for shape in [(1, 256), (3, 2048), (31, 128)]:
+    for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
+        t.check_case(op, params, shape, torch.bfloat16, torch.bfloat16, 7, specials=True)
 t.test_negative_zero_padding()
 print("ok")
 """
@@ -515,8 +524,8 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0", "NORMSPEC_PDL": "0"}],
-                         ids=["default", "dw_final_and_pdl_off"])
+@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0"}, {"NORMSPEC_PDL": "0"}],
+                         ids=["default", "dw_final_off", "pdl_off"])
 def test_backward_ends_with_one_tree_kernel(old_paths):
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to

@@ -209,6 +209,8 @@ enum Flags : int {
                       // input dtype (widened exactly), not fp32
   F_DW_FINAL = 256,   // pipelined backward, one dweight group: its tree is dweight, stored
                       // rounded to the input dtype at ws (which holds H of them)
+  F_LET_DEPENDENTS = 512,  // pipelined backward: chained tree launches follow; let them
+                           // start early (griddepcontrol.launch_dependents)
 };
 
 }  // namespace normspec

@@ -1,5 +1,7 @@
 // Entry points of the normspec CUDA kernels (normspec_launch.h); the kernels
 // of each dtype are instantiated in normspec_launch_{f32,bf16,f16}.cu.
+#include <atomic>
+
 #include "normspec_launch_impl.cuh"
 
 namespace normspec {
@@ -38,42 +40,14 @@ cudaError_t dispatch(int op, int dtype, bool backward, LaunchArgs a, float* ws,
   return cudaGetLastError();
 }
 
-// Whether a launch on `stream` may use programmatic dependent launch: a device of
-// compute capability 9.0 or later, a stream not being captured into a CUDA graph
-// (captures keep plain launches), and not NORMSPEC_PDL=0 (read once).
-bool chained_launch_allowed(cudaStream_t stream) {
-  static const bool enabled = [] {
-    const char* s = std::getenv("NORMSPEC_PDL");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
-  if (!enabled) return false;
-  static int major[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    cudaGetLastError();
-    return false;
-  }
-  if (major[dev] == 0 &&
-      cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-    cudaGetLastError();
-    major[dev] = -1;
-  }
-  if (major[dev] < 9) return false;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return status == cudaStreamCaptureStatusNone;
-}
-
 // Launches `kernel` after the stream's previous kernel, letting it start (and wait in
-// normspec::wait_for_previous_grid) while that kernel finishes, where allowed; else a
-// plain launch. The kernels launched so call wait_for_previous_grid() first.
+// normspec::wait_for_previous_grid) while that kernel finishes, where
+// chained_launches(stream) allows it; else a plain launch. The kernels launched so call
+// wait_for_previous_grid() before touching memory.
 template <typename... Params, typename... Args>
 cudaError_t launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
                            cudaStream_t stream, Args... args) {
-  if (!chained_launch_allowed(stream)) {
+  if (!chained_launches(stream)) {
     kernel<<<grid, block, 0, stream>>>(args...);
     return cudaGetLastError();
   }
@@ -87,12 +61,47 @@ cudaError_t launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, args...);
+  const cudaError_t last = cudaGetLastError();  // cleared, as on the plain path
+  return launched != cudaSuccess ? launched : last;
 }
 
 }  // namespace
 
 int current_device_sms() { return device_sms(); }
+
+bool chained_launches(cudaStream_t stream) {
+  static const bool enabled = [] {
+    const char* s = std::getenv("NORMSPEC_PDL");
+    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
+  }();
+  if (!enabled) return false;
+  // per device: 1 when it runs the tree kernels from code built for sm_90 or later
+  // (where they wait for the previous grid), -1 when not; 0 until asked
+  static std::atomic<int> waits[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return false;
+  }
+  if (waits[dev].load(std::memory_order_relaxed) == 0) {
+    int major = 0;
+    cudaFuncAttributes fa{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        cudaFuncGetAttributes(&fa, normspec_col_tree_last_kernel<float>) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    waits[dev].store(ok && major >= 9 && fa.ptxVersion >= 90 ? 1 : -1,
+                     std::memory_order_relaxed);
+  }
+  if (waits[dev].load(std::memory_order_relaxed) < 0) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusNone;
+}
 
 BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count) {
   const Geometry g = backward_geometry(H, vec_of(dtype));

@@ -66,6 +66,12 @@ bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const Backward
 // dweight and no tree or cast launch follows. Off with NORMSPEC_DW_FINAL=0 (read
 // once), for timing one against the other in one build.
 bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan);
+// Whether dweight's tree launches on `stream` are chained (programmatic dependent
+// launch: each may start while the kernel before it finishes, and waits on the GPU):
+// a device of compute capability 9.0 or later running kernels built for it, a stream
+// not being captured into a CUDA graph, and not NORMSPEC_PDL=0 (read once). Where they
+// are, the backward kernel before them is launched with F_LET_DEPENDENTS.
+bool chained_launches(cudaStream_t stream);
 // Kernel launches on `stream`; they return cudaGetLastError() (cudaErrorInvalidValue
 // when a.w is needed and null).
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);

@@ -815,7 +815,8 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   float4* wsm = stk + glog * NP * Q * nthr;
   float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
   const long long mine = tm.slot - tm.lead;
-  let_dependents_launch();  // the workspace tree's first launch waits for this grid
+  // chained tree launches follow (normspec::chained_launches): they wait for this grid
+  if (flags & F_LET_DEPENDENTS) let_dependents_launch();
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   float nrs = 1.0f;  // the next row's saved rstd
