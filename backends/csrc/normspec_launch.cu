@@ -71,10 +71,7 @@ cudaError_t launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
 int current_device_sms() { return device_sms(); }
 
 bool chained_launches(cudaStream_t stream) {
-  static const bool enabled = [] {
-    const char* s = std::getenv("NORMSPEC_PDL");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool enabled = !switched_off("NORMSPEC_PDL");
   if (!enabled) return false;
   // per device: 1 when it runs the tree kernels from code built for sm_90 or later
   // (where they wait for the previous grid), -1 when not; 0 until asked
@@ -167,10 +164,7 @@ bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const Backward
 }
 
 bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan) {
-  static const bool enabled = [] {
-    const char* s = std::getenv("NORMSPEC_DW_FINAL");
-    return !(s != nullptr && s[0] == '0' && s[1] == '\0');
-  }();
+  static const bool enabled = !switched_off("NORMSPEC_DW_FINAL");
   return enabled && plan.pipe != 0 && plan.groups == 1 && dtype != DT_F32 &&
          weight_dtype == dtype;
 }
