@@ -611,6 +611,25 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// How the one-row forward addresses its passes. Either way a pass reads and writes the
+// same elements with the same bounds; only the SASS differs. From the lane's own
+// pointers (p * S past them; f07903c) or from the row's start (p * S + tcol past it, as
+// before f07903c). On the H200 (bench/micro/row_forward_ab.cu, three interleaved runs
+// each, bf16) the row's start is faster for the rms norm's constant forms of 64 and
+// more lanes (rms 4096 x 2048 14.72 -> 14.02 us, 32768 x 2048 73.44 -> 72.42, 65536 x
+// 2048 140.16 -> 139.17) and slower for its 8-lane form (q/k 524288 x 256 141.50 ->
+// 142.24); the fused 2048 form and the small-row forms did not move.
+// NORMSPEC_ROW_ADDRESS_PER_PASS=1 / =0 forces one addressing on every form (the A/B;
+// bench/results/sweeps/row_forward_addressing.json).
+__host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int full_tl) {
+#ifdef NORMSPEC_ROW_ADDRESS_PER_PASS
+  static_cast<void>(op), static_cast<void>(np), static_cast<void>(full_tl);
+  return NORMSPEC_ROW_ADDRESS_PER_PASS != 0;
+#else
+  return op == normspec::OP_RMS && np > 1 && full_tl >= 6;
+#endif
+}
+
 // ---- forward, one row per team ------------------------------------------------
 // The default forward wherever the gate table is not used: a team loads its
 // row, reduces it, writes it and is done; the block scheduler streams the
@@ -651,21 +670,21 @@ __global__ void __launch_bounds__(256)
   // p * S + tcol against H. The constant forms' vectors are all full, which the bound
   // Hc (a constant) lets the compiler see.
   const int Hl = FULL ? Hc : Hc - tcol;
+  // Which addressing the rms norm's wide constant forms take: see kPerPassAddressing.
+  constexpr bool PER_PASS = row_per_pass_addressing(OP, NP, FULL_TL);
   uint4 cx[NP], cr[NP];
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
     cx[p] = make_uint4(0u, 0u, 0u, 0u);
     cr[p] = cx[p];
     if (row < rows) {
-#if NORMSPEC_ROW_ADDRESS_PER_PASS
-      // Experiment (bench/micro/row_forward_ab.cu): each pass's address from the row's
-      // start, as before f07903c.
-      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
-      if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
-#else
-      cx[p] = load_raw<T>(x + row * sx + tcol, p * S, Hl);
-      if (TWO) cr[p] = load_raw<T>(r + row * sr + tcol, p * S, Hl);
-#endif
+      if constexpr (PER_PASS) {
+        cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
+        if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
+      } else {
+        cx[p] = load_raw<T>(x + row * sx + tcol, p * S, Hl);
+        if (TWO) cr[p] = load_raw<T>(r + row * sr + tcol, p * S, Hl);
+      }
     }
   }
   // One pass (the small-row geometry, few rows in flight): the weight's load is issued
@@ -717,12 +736,13 @@ __global__ void __launch_bounds__(256)
       if constexpr (KEEP) {
         forward_of<OP, T>(v[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
       } else {
-#if NORMSPEC_ROW_ADDRESS_PER_PASS
-        forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
-                              OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
-#else
-        forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
-#endif
+        if constexpr (PER_PASS) {
+          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
+                                OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
+        } else {
+          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S,
+                                Hl);
+        }
       }
     }
   }

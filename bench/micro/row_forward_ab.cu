@@ -6,16 +6,22 @@
 // in between. Build one binary per variant and compare their times; their output hashes
 // must be equal (a variant changes the kernel's structure, never its arithmetic):
 //
-//   for v in "" -DNORMSPEC_ROW_ADDRESS_PER_PASS=1 -DNORMSPEC_ROW_WEIGHT_PREFETCH=1; do
+//   for v in "" -DNORMSPEC_ROW_ADDRESS_PER_PASS=0 -DNORMSPEC_ROW_ADDRESS_PER_PASS=1 \
+//            -DNORMSPEC_ROW_WEIGHT_PREFETCH=1; do
 //     nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc $v \
 //          bench/micro/row_forward_ab.cu -o /tmp/row_ab && /tmp/row_ab "${v:-default}"
 //   done
 //
-//   NORMSPEC_ROW_ADDRESS_PER_PASS: every pass's loads (and the rms norm's stores)
+//   NORMSPEC_ROW_ADDRESS_PER_PASS: =1 every form's loads (and the rms norm's stores)
 //     addressed from the row's start, as before f07903c (its other change, the values
-//     formed once, gives the rms forms the same SASS up to register names);
+//     formed once, gives the rms forms the same SASS up to register names); =0 every
+//     form from the lane's own pointers, as f07903c made them. Unset (the shipped
+//     kernel): the row's start for the rms norm's constant forms of 64 and more lanes
+//     only, which this harness found faster (row_per_pass_addressing in
+//     normspec_pipe.cuh);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
-//     into L1 before the reduction (the weight itself is still loaded after it).
+//     into L1 before the reduction (the weight itself is still loaded after it; on the
+//     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us).
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
