@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -71,6 +71,13 @@ for s in $stages; do
       run ${NCU_LIMIT:-240} ncu-fla env OUT="$OUT/ncu" FLA=1 bash scripts/ncu_profile.sh
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu_fla.csv" "bench/results/ncu/fla_${gpu}.csv" 2>/dev/null ;;
+    ncu-small)  # the norm at 1, 64 and 4096 rows of 2048: our kernels, then torch.compile's
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
+      run ${NCU_LIMIT:-150} ncu-small env OUT="$OUT/ncu" SMALL=1 bash scripts/ncu_profile.sh
+      cp "$OUT/ncu/ncu_small.csv" "bench/results/ncu/small_${gpu}.csv" 2>/dev/null
+      run ${NCU_LIMIT:-240} ncu-small-peers env OUT="$OUT/ncu" SMALL=1 PEERS=1 bash scripts/ncu_profile.sh
+      cp "$OUT/ncu/ncu_small_peers.csv" "bench/results/ncu/small_torch_compile_${gpu}.csv" 2>/dev/null ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac

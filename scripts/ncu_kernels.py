@@ -8,7 +8,11 @@ fused forward and backward 32768 x 2048). ``--peers``: the same work through
 ``torch.compile`` of the transformers modules (Qwen3-Next's RMSNorm and gated RMSNorm),
 whose triton kernels are the ones to compare with (the warm-up round compiles and tunes
 them). ``--fla``: FLA's rms norm forward and its gated norm forward (and backward with
-``--backward``), the fastest gated backward in the bench."""
+``--backward``), the fastest gated backward in the bench. ``--small``: instead, the
+zero-centred norm's forward and backward over 1, 64 and 4096 rows of 2048 (ours, or with
+``--peers`` torch.compile's), the shapes where a launch's latency, not its bandwidth, sets
+the time: ncu's kernel durations, against the bench's device time, show how much of that
+time is the kernels themselves."""
 
 from __future__ import annotations
 
@@ -67,6 +71,40 @@ def ours(backward: bool = False) -> Callable[[], None]:
     return one_round
 
 
+SMALL_ROWS = (1, 64, 4096)
+
+
+def _small_round(norm_of: Callable[[int], Callable[[torch.Tensor], torch.Tensor]],
+                 weights_of: Callable[[int], list[torch.Tensor]]) -> Callable[[], None]:
+    """Forward and backward of the zero-centred norm over SMALL_ROWS x 2048 (bf16)."""
+
+    def one_round() -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for rows in SMALL_ROWS:
+            x = torch.randn(rows, 2048, device="cuda", generator=g).to(BF16).requires_grad_()
+            _backward(norm_of(rows)(x), [x, *weights_of(rows)])
+
+    return one_round
+
+
+def ours_small() -> Callable[[], None]:
+    from normspec.backends import torch_ext as te
+
+    te.build(verbose=False)
+    w = (0.1 * torch.randn(2048, device="cuda")).to(BF16).requires_grad_()
+    return _small_round(lambda rows: lambda x: te.rms_norm(x, w, eps=EPS, offset=1.0),
+                        lambda rows: [w])
+
+
+def peers_small() -> Callable[[], None]:
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    # one module per shape, compiled for it alone (as the bench's fresh module per case)
+    mods = {rows: torch.compile(Qwen3NextRMSNorm(2048, eps=EPS).to("cuda", BF16),
+                                dynamic=False) for rows in SMALL_ROWS}
+    return _small_round(lambda rows: mods[rows], lambda rows: list(mods[rows].parameters()))
+
+
 def fla(backward: bool = False) -> Callable[[], None]:
     from fla.modules.fused_norm_gate import rms_norm_gated
     from fla.modules.layernorm import rms_norm
@@ -118,9 +156,16 @@ def main(argv=None) -> int:
     who.add_argument("--fla", action="store_true", help="FLA's kernels instead of ours")
     p.add_argument("--backward", action="store_true",
                    help="also the gated backward (and our fused forward and backward)")
+    p.add_argument("--small", action="store_true",
+                   help="the norm's forward and backward at 1, 64 and 4096 rows of 2048 instead")
     args = p.parse_args(argv)
-    make = peers if args.peers else fla if args.fla else ours
-    one_round = make(args.backward)
+    if args.small:
+        if args.fla or args.backward:
+            p.error("--small: ours or --peers only, forward and backward always")
+        one_round = peers_small() if args.peers else ours_small()
+    else:
+        make = peers if args.peers else fla if args.fla else ours
+        one_round = make(args.backward)
     one_round()  # warm-up: builds, compiles, tunes
     torch.cuda.synchronize()
     torch.cuda.profiler.start()

@@ -6,7 +6,9 @@
 # PEERS=1: the same forwards through torch.compile of the transformers modules (their
 # triton kernels), into $OUT/ncu_peers.csv, to compare with ours; FLA=1: FLA's rms and
 # gated norm kernels, into $OUT/ncu_fla.csv. BACKWARD=1: also the gated backward (and
-# our fused forward and backward), see scripts/ncu_kernels.py.
+# our fused forward and backward), see scripts/ncu_kernels.py. SMALL=1: the norm's forward and
+# backward at 1, 64 and 4096 rows of 2048 instead, every kernel of ours (or, with PEERS=1,
+# torch.compile's), into ncu_small.csv (ncu_small_peers.csv).
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 set -euo pipefail
@@ -20,6 +22,10 @@ else
   filter='regex:normspec_(fwd|bwd)_(pipe|row)'; args=; csv="$OUT/ncu.csv"
 fi
 [ "${BACKWARD:-0}" = 1 ] && args="$args --backward"
+if [ "${SMALL:-0}" = 1 ]; then
+  args="$args --small"
+  [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_small_peers.csv" || { filter='regex:normspec_'; csv="$OUT/ncu_small.csv"; }
+fi
 ncu --clock-control none --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
