@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -78,6 +78,18 @@ for s in $stages; do
       cp "$OUT/ncu/ncu_small.csv" "bench/results/ncu/small_${gpu}.csv" 2>/dev/null
       run ${NCU_LIMIT:-240} ncu-small-peers env OUT="$OUT/ncu" SMALL=1 PEERS=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_small_peers.csv" "bench/results/ncu/small_torch_compile_${gpu}.csv" 2>/dev/null ;;
+    ncu-source)  # the gated forward's per-instruction stall samples: ours, then torch.compile's
+      # (a full report of one launch each, then its SASS page as CSV, to read off the device)
+      mkdir -p "$OUT/ncu"
+      normspec build > "$OUT/ncu/source-build.log" 2>&1
+      for who in ours peers; do
+        if [ $who = ours ]; then k='regex:normspec_fwd_pipe'; a=; else k='regex:triton_per_fused.*silu'; a=--peers; fi
+        run ${NCU_LIMIT:-240} "ncu-source-$who" ncu --clock-control none --profile-from-start off \
+          --set full --import-source no -k "$k" -c 1 -f -o "$OUT/ncu/gated_fwd_$who" \
+          python3 scripts/ncu_kernels.py $a
+        ncu -i "$OUT/ncu/gated_fwd_$who.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/ncu/gated_fwd_${who}_sass.csv" 2> "$OUT/ncu/gated_fwd_${who}_sass.err"
+      done ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
