@@ -31,6 +31,14 @@ inline void fill_bf16(__nv_bfloat16* d, size_t n, unsigned seed) {
   CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
 }
 
+// A new device buffer of n bf16 values, filled by fill_bf16(seed) unless seed is 0.
+inline __nv_bfloat16* new_bf16(size_t n, unsigned seed = 0) {
+  __nv_bfloat16* d = nullptr;
+  CK(cudaMalloc(&d, n * 2));
+  if (seed != 0) fill_bf16(d, n, seed);
+  return d;
+}
+
 // FNV-1a hash of `bytes` of device memory at d, continuing from h (start with
 // 1469598103934665603): outputs of two builds compare by their hashes.
 inline unsigned long long fnv(const void* d, size_t bytes, unsigned long long h) {

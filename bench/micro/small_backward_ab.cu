@@ -1,0 +1,126 @@
+// Where the few-row backward's time goes (bf16 rows of 2048, a bf16 weight, the
+// forward's saved rstd: the bench's torch extension case). The full bench at 604d92a put
+// the 1-row backward, one kernel since F_DW_FINAL, at 8.0 us of device time against
+// torch.compile's 4.5 and a same-bytes copy's 4.3; its kernel has 872 SASS instructions
+// (the forward's constant form 640, at 4.7 us).
+//
+// Two sets of lines:
+//   floor: an empty kernel of one 256-thread block with 0 .. 100 KiB of dynamic shared
+//     memory, each launch after the flush. If the floor rises with the shared memory,
+//     part of the backward's time is the multiprocessors' shared-memory / L1
+//     reconfiguration after the flush's kernel, not the backward's work; "carveout"
+//     repeats the 8 KiB launch with cudaFuncAttributePreferredSharedMemoryCarveout at
+//     0 (most L1) and 100 (most shared memory).
+//   norm: the shipped launcher (launch_forward, then launch_backward and dweight's
+//     tree launches as normspec_cuda.cpp's backward() makes them) at 1, 64 and 4096
+//     rows, with an FNV-1a hash of dx and dweight (equal across settings).
+// The NORMSPEC_* switches of the launcher apply (NORMSPEC_DW_FINAL=0, NORMSPEC_PDL=0).
+// Build with the extension's CUDA sources and run:
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
+//        bench/micro/small_backward_ab.cu backends/csrc/normspec_launch.cu \
+//        backends/csrc/normspec_launch_f32.cu backends/csrc/normspec_launch_bf16.cu \
+//        backends/csrc/normspec_launch_f16.cu -o /tmp/small_bwd && /tmp/small_bwd default
+//
+// Medians of 40 launches, each after a 512 MiB memset (micro_util.cuh's Timer).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "micro_util.cuh"
+#include "normspec_arith.h"
+#include "normspec_launch.h"
+
+using bf16 = __nv_bfloat16;
+using namespace normspec;
+
+__global__ void empty_kernel(int* sink) {
+  extern __shared__ int smem_any[];
+  if (sink != nullptr && threadIdx.x == 0) sink[blockIdx.x] = smem_any[0];
+}
+
+static void floor_case(const char* label, const char* name, size_t smem, int carveout,
+                       Timer& timer) {
+  if (smem > 48 * 1024)
+    CK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem)));
+  CK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                          carveout));
+  const float us = timer.median_us([&] { empty_kernel<<<1, 256, smem>>>(nullptr); });
+  std::printf("%-12s %-28s %6zu B smem %9.2f us\n", label, name, smem, us);
+}
+
+// The torch extension's backward() (normspec_cuda.cpp) for OP_RMS, bf16 weight, saved rstd.
+static void backward(LaunchArgs a, bf16* dweight, float* ws, float* ws2) {
+  const int sms = current_device_sms();
+  const BackwardPlan plan = backward_plan_for(DT_BF16, a, sms);
+  if (writes_dweight_final(DT_BF16, DT_BF16, plan)) {
+    a.flags |= F_DW_FINAL;
+    CK(launch_backward(OP_RMS, DT_BF16, a, reinterpret_cast<float*>(dweight), plan, nullptr));
+    return;
+  }
+  long long G = plan.groups;
+  const long long last_max = col_tree_last_rows();
+  if (chained_launches(nullptr)) a.flags |= F_LET_DEPENDENTS;
+  CK(launch_backward(OP_RMS, DT_BF16, a, ws, plan, nullptr));
+  float* in = ws;
+  float* out = ws2;
+  while (G > (last_max > 0 ? last_max : 1)) {
+    const long long gout = col_tree_rows_out(G);
+    CK(launch_col_tree(in, out, G, a.H, nullptr));
+    std::swap(in, out);
+    G = gout;
+  }
+  // (NORMSPEC_TREE_LAST=0 would cast with .to() in the extension: not mirrored here)
+  CK(launch_col_tree_last(in, dweight, DT_BF16, G, a.H, nullptr));
+}
+
+static void norm_case(const char* label, long long rows, long long H, Timer& timer) {
+  const size_t n = static_cast<size_t>(rows) * H;
+  bf16 *x = new_bf16(n, 1), *dy = new_bf16(n, 2), *w = new_bf16(H, 5);
+  bf16 *y = new_bf16(n), *dx = new_bf16(n), *dw = new_bf16(H);
+  float *rstd, *ws, *ws2;
+  CK(cudaMalloc(&rstd, rows * 4));
+  CK(cudaMalloc(&ws, n * 4));  // at most one workspace row per input row
+  CK(cudaMalloc(&ws2, n * 4));
+  LaunchArgs a;
+  a.x = x;
+  a.w_in_dtype = w;
+  a.rows = rows;
+  a.H = H;
+  a.sx = a.sy = a.sdy = H;
+  a.eps = 1e-6f;
+  a.offset = 1.0f;
+  a.flags = F_OFFSET | F_W_IS_INPUT;
+  LaunchArgs f = a;
+  f.y = y;
+  f.rstd_out = rstd;
+  const float fwd_us = timer.median_us([&] { CK(launch_forward(OP_RMS, DT_BF16, f, nullptr)); });
+  LaunchArgs b = a;
+  b.dy = dy;
+  b.y = dx;
+  b.rstd_in = rstd;
+  const float bwd_us = timer.median_us([&] { backward(b, dw, ws, ws2); });
+  CK(cudaDeviceSynchronize());
+  const unsigned long long h = fnv(dw, H * 2, fnv(dx, n * 2, 1469598103934665603ull));
+  std::printf("%-12s norm %6lld x %-5lld fwd %7.2f us  bwd %7.2f us  %016llx\n", label, rows,
+              H, fwd_us, bwd_us, h);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(y),
+                  static_cast<void*>(dx), static_cast<void*>(w), static_cast<void*>(dw),
+                  static_cast<void*>(rstd), static_cast<void*>(ws), static_cast<void*>(ws2)})
+    CK(cudaFree(p));
+}
+
+int main(int argc, char** argv) {
+  const char* label = argc > 1 ? argv[1] : "default";
+  Timer timer;
+  for (size_t smem : {size_t{0}, size_t{1024}, size_t{8704}, size_t{40960}, size_t{102400}})
+    floor_case(label, "floor", smem, -1, timer);
+  floor_case(label, "floor carveout 0", 8704, 0, timer);
+  floor_case(label, "floor carveout 100", 8704, 100, timer);
+  norm_case(label, 1, 2048, timer);
+  norm_case(label, 64, 2048, timer);
+  norm_case(label, 4096, 2048, timer);
+  return 0;
+}
