@@ -14,7 +14,10 @@
 //   norm: the shipped launcher (launch_forward, then launch_backward and dweight's
 //     tree launches as normspec_cuda.cpp's backward() makes them) at 1, 64 and 4096
 //     rows, with an FNV-1a hash of dx and dweight (equal across settings).
-// The NORMSPEC_* switches of the launcher apply (NORMSPEC_DW_FINAL=0, NORMSPEC_PDL=0).
+// The NORMSPEC_* switches of the launcher apply (NORMSPEC_DW_FINAL=0, NORMSPEC_PDL=0), and
+// where the tree has them, the build-time ones of the backward kernel (compile with
+// -DNORMSPEC_BWD_FILL_BATCHED=0 or -DNORMSPEC_RMS_BWD_UNCAPPED=0 for the old forms).
+// 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // Build with the extension's CUDA sources and run:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
@@ -122,5 +125,6 @@ int main(int argc, char** argv) {
   norm_case(label, 1, 2048, timer);
   norm_case(label, 64, 2048, timer);
   norm_case(label, 4096, 2048, timer);
+  norm_case(label, 32768, 2048, timer);
   return 0;
 }
