@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(256)
   // p * S + tcol against H. The constant forms' vectors are all full, which the bound
   // Hc (a constant) lets the compiler see.
   const int Hl = FULL ? Hc : Hc - tcol;
-  // Which addressing the rms norm's wide constant forms take: see kPerPassAddressing.
+  // which addressing this form takes (row_per_pass_addressing)
   constexpr bool PER_PASS = row_per_pass_addressing(OP, NP, FULL_TL);
   uint4 cx[NP], cr[NP];
 #pragma unroll

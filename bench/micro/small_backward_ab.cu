@@ -29,7 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <vector>
+#include <utility>
 
 #include "micro_util.cuh"
 #include "normspec_arith.h"
