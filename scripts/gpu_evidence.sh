@@ -32,6 +32,8 @@ run() {  # run LIMIT NAME CMD...: time-limited stage with its log
   tar czf "$OUT/evidence.tgz" reports bench/results 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
+# the GPU's name as the committed ncu CSVs are named (H200 for "NVIDIA H200")
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
 run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
@@ -59,29 +61,24 @@ for s in $stages; do
     ncu)  # Nsight Compute of the pipelined kernels; the CSV goes into the tarball
       mkdir -p "$OUT/ncu" bench/results/ncu
       run ${NCU_LIMIT:-150} ncu env OUT="$OUT/ncu" bash scripts/ncu_profile.sh
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu.csv" "bench/results/ncu/pipe_kernels_${gpu}.csv" 2>/dev/null ;;
     ncu-peers)  # the same forwards through torch.compile (triton kernels), for comparison
       mkdir -p "$OUT/ncu" bench/results/ncu
       run ${NCU_LIMIT:-240} ncu-peers env OUT="$OUT/ncu" PEERS=1 bash scripts/ncu_profile.sh
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu_peers.csv" "bench/results/ncu/torch_compile_${gpu}.csv" 2>/dev/null ;;
     ncu-fla)  # FLA's rms and gated norm kernels (BACKWARD=1 for the gated backward too)
       mkdir -p "$OUT/ncu" bench/results/ncu
       run ${NCU_LIMIT:-240} ncu-fla env OUT="$OUT/ncu" FLA=1 bash scripts/ncu_profile.sh
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       cp "$OUT/ncu/ncu_fla.csv" "bench/results/ncu/fla_${gpu}.csv" 2>/dev/null ;;
     ncu-small)  # the norm at 1, 64 and 4096 rows of 2048: our kernels, then torch.compile's
       mkdir -p "$OUT/ncu" bench/results/ncu
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
       run ${NCU_LIMIT:-150} ncu-small env OUT="$OUT/ncu" SMALL=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_small.csv" "bench/results/ncu/small_${gpu}.csv" 2>/dev/null
       run ${NCU_LIMIT:-240} ncu-small-peers env OUT="$OUT/ncu" SMALL=1 PEERS=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_small_peers.csv" "bench/results/ncu/small_torch_compile_${gpu}.csv" 2>/dev/null ;;
     ncu-source)  # the gated forward's per-instruction stall samples: ours, then torch.compile's
       # (a full report of one launch each, then its SASS page as CSV, to read off the device)
-      mkdir -p "$OUT/ncu"
-      normspec build > "$OUT/ncu/source-build.log" 2>&1
+      mkdir -p "$OUT/ncu"  # (the build stage above built our kernels)
       for who in ours peers; do
         if [ $who = ours ]; then k='regex:normspec_fwd_pipe'; a=; else k='regex:triton_per_fused.*silu'; a=--peers; fi
         run ${NCU_LIMIT:-240} "ncu-source-$who" ncu --clock-control none --profile-from-start off \
