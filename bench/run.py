@@ -236,7 +236,25 @@ def peers_gated(weight: torch.Tensor) -> dict[str, Callable]:
     return out
 
 
+def _wanted(name: str) -> bool:
+    """Whether ``--backend`` keeps a peer of this name (every peer without the flag)."""
+    return not BACKEND_FILTER or any(f in name for f in BACKEND_FILTER)
+
+
 def _ours():
+    """normspec's backends that run here and that ``--backend`` keeps. A backend filtered
+    out is not even loaded: the CuPy backend's first use compiles all of its kernels with
+    NVRTC, over a minute on a fresh machine."""
+    found = []
+    suffixes = ("", " (hf)", " (vllm)")
+    if any(_wanted("normspec torch_ext" + s) for s in suffixes):
+        found += _load_torch_ext()
+    if any(_wanted("normspec cupy" + s) for s in suffixes):
+        found += _load_cupy()
+    return found
+
+
+def _load_torch_ext():
     found = []
     try:
         from normspec.backends import torch_ext
@@ -248,9 +266,16 @@ def _ours():
             print(f"torch_ext unavailable: {reason}", file=sys.stderr)
     except Exception as exc:
         print(f"torch_ext unavailable: {exc}", file=sys.stderr)
+    return found
+
+
+def _load_cupy():
+    found = []
     try:
         from normspec.backends import cupy_backend
 
+        print("loading the CuPy backend (its first use on a machine compiles its kernels)",
+              file=sys.stderr, flush=True)
         if cupy_backend.available() is None:
             found.append(("normspec cupy", cupy_backend))
     except Exception as exc:
@@ -315,7 +340,7 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
     rows_out, jobs = {}, {}
     rep = max(20.0, REP_MS / ROUNDS)
     for name, fn in peers.items():
-        if BACKEND_FILTER and not any(f in name for f in BACKEND_FILTER):
+        if not _wanted(name):
             continue
         rows_out[name] = {"kind": kind, "shape": [rows, hidden], "backend": name}
 

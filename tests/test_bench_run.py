@@ -140,3 +140,21 @@ def test_device_timing_fields_from_rounds(monkeypatch):
     (fwd,) = run.split_directions(ref_row)
     assert fwd["device_us"] == 20.0 and fwd["host_us"] == 30.0
     assert fwd["device_spread"] == pytest.approx(1.0)
+
+
+def test_a_backend_left_out_by_the_filter_is_not_loaded(monkeypatch):
+    """--backend torch_ext must not load (and NVRTC-compile) the CuPy backend."""
+    loaded = []
+    monkeypatch.setattr(run, "_load_torch_ext", lambda: loaded.append("torch_ext") or [])
+    monkeypatch.setattr(run, "_load_cupy", lambda: loaded.append("cupy") or [])
+    monkeypatch.setattr(run, "BACKEND_FILTER", ("torch_ext",))
+    run._ours()
+    assert loaded == ["torch_ext"]
+    loaded.clear()
+    monkeypatch.setattr(run, "BACKEND_FILTER", ("cupy (vllm)",))
+    run._ours()
+    assert loaded == ["cupy"]
+    loaded.clear()
+    monkeypatch.setattr(run, "BACKEND_FILTER", ())
+    run._ours()
+    assert loaded == ["torch_ext", "cupy"]
