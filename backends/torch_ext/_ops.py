@@ -187,6 +187,7 @@ def _saved_rstd(ctx, output) -> torch.Tensor | None:
 def _setup_rms(ctx, inputs, output, with_rstd=False):
     x, weight, eps, offset = inputs
     ctx.with_rstd = with_rstd
+    ctx.set_materialize_grads(False)  # no zeros kernel for the unused rstd gradient
     ctx.save_for_backward(x, weight, _saved_rstd(ctx, output))
     ctx.eps, ctx.offset = eps, offset
 
@@ -208,6 +209,7 @@ def _norm_reads_new_residual(x: torch.Tensor, residual_sum: str) -> bool:
 def _setup_fused(ctx, inputs, output, with_rstd=False):
     x, residual, weight, eps, offset, residual_sum = inputs
     ctx.with_rstd = with_rstd
+    ctx.set_materialize_grads(False)  # no zeros kernel for the unused rstd gradient
     ctx.from_sum = _norm_reads_new_residual(x, residual_sum)
     rstd = _saved_rstd(ctx, output)
     if ctx.from_sum:
@@ -238,6 +240,7 @@ def _backward_fused(ctx, dy, dresidual_out, _drstd=None):
 def _setup_gated(ctx, inputs, output, with_rstd=False):
     x, gate, weight, eps, convention, activation = inputs
     ctx.with_rstd = with_rstd
+    ctx.set_materialize_grads(False)  # no zeros kernel for the unused rstd gradient
     ctx.save_for_backward(x, gate, weight, _saved_rstd(ctx, output))
     ctx.eps, ctx.convention, ctx.activation = eps, convention, activation
 
