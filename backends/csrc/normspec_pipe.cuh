@@ -347,6 +347,11 @@ __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
 // (the rolled loop: four round trips for rows of 2048 in 128-thread blocks, on the
 // critical path of a launch of few rows). The same columns, factors and layout; an fp32
 // weight keeps the rolled loop (its raw loads would hold twice the registers).
+// Build-time switch for bench/micro/small_backward_ab.cu: 0 keeps the rolled loop in
+// every form (the A/B); the shipped kernels are built with 1.
+#ifndef NORMSPEC_BWD_FILL_BATCHED
+#define NORMSPEC_BWD_FILL_BATCHED 1
+#endif
 template <int OP, typename T, int NP, int VEC, int TL, int NTHR>
 __device__ __forceinline__ void fill_weight_smem_batched(float4* __restrict__ wsm,
                                                          const void* __restrict__ w, int H,
@@ -355,7 +360,7 @@ __device__ __forceinline__ void fill_weight_smem_batched(float4* __restrict__ ws
   constexpr int n = (NP * VEC / 4) << TL;  // weight_float4s<NP, VEC>(TL)
   constexpr int S = VEC << TL;
   constexpr int PER = (n + NTHR - 1) / NTHR;
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 2 && NORMSPEC_BWD_FILL_BATCHED) {
     if (flags & F_W_RAW) {
       uint2 raw[PER];
 #pragma unroll
