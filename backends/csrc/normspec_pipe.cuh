@@ -340,6 +340,59 @@ __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
   }
 }
 
+// The same for a block of NTHR threads in teams of 2**TL lanes (the constant-geometry
+// backward). With a 16-bit weight read as it is (F_W_RAW) each thread issues all its
+// loads (a constant count, 8 bytes each, kept as raw bits) before it widens and stores
+// any, so the block waits for memory once before its barrier instead of once per float4
+// (the rolled loop: four round trips for rows of 2048 in 128-thread blocks, on the
+// critical path of a launch of few rows). The same columns, factors and layout; an fp32
+// weight keeps the rolled loop (its raw loads would hold twice the registers).
+// Build-time switch for bench/micro/small_backward_ab.cu: 0 keeps the rolled loop in
+// every form (the A/B); the shipped kernels are built with 1.
+#ifndef NORMSPEC_BWD_FILL_BATCHED
+#define NORMSPEC_BWD_FILL_BATCHED 1
+#endif
+template <int OP, typename T, int NP, int VEC, int TL, int NTHR>
+__device__ __forceinline__ void fill_weight_smem_batched(float4* __restrict__ wsm,
+                                                         const void* __restrict__ w, int H,
+                                                         float offset, int flags) {
+  constexpr int Q = VEC / 4;
+  constexpr int n = (NP * VEC / 4) << TL;  // weight_float4s<NP, VEC>(TL)
+  constexpr int S = VEC << TL;
+  constexpr int PER = (n + NTHR - 1) / NTHR;
+  if constexpr (sizeof(T) == 2 && NORMSPEC_BWD_FILL_BATCHED) {
+    if (flags & F_W_RAW) {
+      uint2 raw[PER];
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int i = static_cast<int>(threadIdx.x) + k * NTHR;
+        const int pq = i >> TL;
+        // columns of a float4 of factors: 4 whole elements (n * 4 = H)
+        if (n % NTHR == 0 || i < n)
+          raw[k] = *reinterpret_cast<const uint2*>(
+              static_cast<const T*>(w) + (pq / Q) * S + (i & ((1 << TL) - 1)) * VEC + 4 * (pq % Q));
+      }
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int i = static_cast<int>(threadIdx.x) + k * NTHR;
+        if (n % NTHR == 0 || i < n) {
+          const uint4 u = make_uint4(raw[k].x, raw[k].y, 0u, 0u);
+          float g[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            g[j] = RawBits<T>::get(u, j);
+            if constexpr (OP != OP_GATED) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
+          }
+          wsm[i] = make_float4(g[0], g[1], g[2], g[3]);
+        }
+      }
+      return;
+    }
+  }
+  fill_weight_smem<OP, T, NP, VEC>(wsm, w, TL, H, offset, flags);
+}
+
+
 // The VEC factors of pass p for this lane.
 template <int VEC>
 __device__ __forceinline__ void weight_of(const float4* __restrict__ wsm, int p, int lane,
@@ -827,7 +880,9 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   const bool w_in = GCONST ? (GC & 2) != 0 : (flags & F_W_IS_INPUT) != 0;
   const bool sig = flags & F_SIGMOID;
   const bool ws_aligned = (H % 4) == 0;
-  const int nthr = FULL ? (FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0)) : blockDim.x;
+  // the constant forms' block: 256 threads, or one team of 2**FULL_TL > 256 / 2 threads
+  constexpr int FULL_NTHR = FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0);
+  const int nthr = FULL ? FULL_NTHR : blockDim.x;
   const long long R = 1LL << glog;
   const long long groups = (rows + R - 1) / R;
 
@@ -858,7 +913,12 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
   }
   // the weight factors and the gate table while the first rows are in flight
-  fill_weight_smem<OP, T, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  if constexpr (FULL) {
+    fill_weight_smem_batched<OP, T, NP, VEC, (FULL ? FULL_TL : 0), FULL_NTHR>(wsm, w, Hc,
+                                                                             offset, flags);
+  } else {
+    fill_weight_smem<OP, T, NP, VEC>(wsm, w, team_log, Hc, offset, flags);
+  }
   if (table) fill_act_grad_table(tab, sig);
   __syncthreads();
   int buf = 0;
