@@ -319,6 +319,11 @@ def split_directions(row: dict) -> list[dict]:
 
 def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
               device: str = "cuda") -> list[dict]:
+    # Every case compiles the same transformers forward again (a new shape, with and
+    # without grad). Dynamo keeps at most config.recompile_limit (8) versions of one code
+    # object and then runs it eagerly: without a reset, the last norm cases timed
+    # torch.compile's backward as eager (the q/k 524288 x 256 backward at 4052 us).
+    torch._dynamo.reset()
     gen = torch.Generator(device=device).manual_seed(0)
     n_in = {"norm": 1, "fused": 2, "gated": 2}[kind]
     n_out = {"norm": 1, "fused": 2, "gated": 1}[kind]

@@ -88,8 +88,13 @@ def test_time_case_rows_from_rounds_on_the_cpu(monkeypatch):
     monkeypatch.setattr(run, "peers_norm", lambda w: {"ref": Norm(w), "broken": broken})
     monkeypatch.setattr(run, "bench_ms", fake_bench)
     monkeypatch.setattr(run, "BACKEND_FILTER", ())
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
     rows = run.time_case("norm", 4096, 8, bw=1.0, quick=True, device="cpu")
     ref, bad, copy = rows
+    # each case starts with dynamo's caches empty, so torch.compile never hits its
+    # recompile limit and falls back to eager in a later case
+    assert resets == [True]
     # per round: ref fwd, ref bwd (grads of x and weight), broken fwd + bwd fail, then the
     # same-bytes copy forward and backward; three rounds
     assert ran == ["Tensor", "tuple", "Tensor", "Tensor"] * 3
