@@ -86,7 +86,11 @@ for s in $stages; do
           python3 scripts/ncu_kernels.py $a
         ncu -i "$OUT/ncu/gated_fwd_$who.ncu-rep" --page source --csv --print-source sass \
           > "$OUT/ncu/gated_fwd_${who}_sass.csv" 2> "$OUT/ncu/gated_fwd_${who}_sass.err"
-      done ;;
+      done
+      mkdir -p bench/results/ncu  # committed as evidence, as the other ncu stages' CSVs
+      cp "$OUT/ncu/gated_fwd_ours_sass.csv" "bench/results/ncu/gated_fwd_sass_${gpu}.csv" 2>/dev/null
+      cp "$OUT/ncu/gated_fwd_peers_sass.csv" \
+        "bench/results/ncu/gated_fwd_sass_torch_compile_${gpu}.csv" 2>/dev/null ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
