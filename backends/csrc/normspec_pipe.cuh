@@ -71,13 +71,44 @@ struct RawBits<__nv_bfloat16> : RawBits16<__nv_bfloat16> {};
 template <>
 struct RawBits<__half> : RawBits16<__half> {};
 
+// The rows' 16-byte loads and stores carry the streaming (evict-first) cache hint:
+// LDG.E.EF.128 / STG.E.EF.128. NORMSPEC_STREAMING_HINTS=0 (a build-time macro, for the
+// A/B in bench/micro/row_forward_ab.cu) makes them plain loads and stores, as triton's
+// kernels have them. In the bench, whose L2 flush before each call leaves the L2 full of
+// dirty lines, our row forwards lose more time against their time alone under ncu than
+// torch.compile's do (q/k 524288 x 256: 128.5 -> 141.0 us against 126.5 -> 129.8;
+// notes/perf.md §18): the hint is one difference between them.
+#ifndef NORMSPEC_STREAMING_HINTS
+#define NORMSPEC_STREAMING_HINTS 1
+#endif
+__device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
+#if NORMSPEC_STREAMING_HINTS
+  return __ldcs(p);
+#else
+  // plain ld.global (LDG.E.128), as triton's loads; a dereference would take the
+  // read-only path (LDG.E.128.CONSTANT) instead
+  uint4 v;
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#endif
+}
+__device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
+#if NORMSPEC_STREAMING_HINTS
+  __stcs(p, v);
+#else
+  *p = v;
+#endif
+}
+
 // VEC elements of a row from col (zero bits beyond H), as one raw vector.
 // Full vectors are one streaming 16-byte load; only the last, partial vector
 // of a row falls back to element loads.
 template <typename T>
 __device__ __forceinline__ uint4 load_raw(const T* __restrict__ row, int col, int H) {
   constexpr int VEC = VecOf<T>::value;
-  if (col + VEC <= H) return __ldcs(reinterpret_cast<const uint4*>(row + col));
+  if (col + VEC <= H) return load_row_vector(reinterpret_cast<const uint4*>(row + col));
   unsigned int w[4] = {0u, 0u, 0u, 0u};
   if (col < H) {
     constexpr int PER = VEC / 4;  // elements per 32-bit word
@@ -111,7 +142,7 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
       w[k] = RawBits<T>::put(v[PER * k]);
       if (PER == 2) w[k] |= RawBits<T>::put(v[PER * k + PER - 1]) << 16;
     }
-    __stcs(reinterpret_cast<uint4*>(row + col), make_uint4(w[0], w[1], w[2], w[3]));
+    store_row_vector(reinterpret_cast<uint4*>(row + col), make_uint4(w[0], w[1], w[2], w[3]));
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {

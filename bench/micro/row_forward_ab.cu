@@ -21,7 +21,11 @@
 //     normspec_pipe.cuh);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
 //     into L1 before the reduction (the weight itself is still loaded after it; on the
-//     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us).
+//     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
+//   NORMSPEC_STREAMING_HINTS=0: the rows' 16-byte loads and stores without the
+//     evict-first hint (normspec_pipe.cuh), in every kernel, the gated one included.
+// The gated cases also follow the launcher's run-time switches, such as
+// NORMSPEC_GATED_FWD_DEPTH2=0 where the build has it.
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
@@ -38,11 +42,12 @@ using bf16 = __nv_bfloat16;
 using namespace normspec;
 using namespace normspec::launch_detail;
 
-// rms (offset 1, the zero-centred norm) or fused (rounded residual sum, offset 1)
-// over rows x H, as the bench times them.
+// rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
+// gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
+// bench times them.
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
-                     Timer& timer) {
+                     Timer& timer, int flags = 0) {
   const size_t n = static_cast<size_t>(rows) * H;
   bf16 *x, *r = nullptr, *y, *y2 = nullptr, *w;
   CK(cudaMalloc(&x, n * 2));
@@ -50,11 +55,11 @@ static void run_case(const char* label, const char* name, long long rows, long l
   CK(cudaMalloc(&w, H * 2));
   fill_bf16(x, n, 1);
   fill_bf16(w, H, 5);
-  if (OP == OP_FUSED) {
+  if (OP == OP_FUSED || OP == OP_GATED) {  // the residual, or the gate
     CK(cudaMalloc(&r, n * 2));
-    CK(cudaMalloc(&y2, n * 2));
     fill_bf16(r, n, 2);
   }
+  if (OP == OP_FUSED) CK(cudaMalloc(&y2, n * 2));
   LaunchArgs a;
   a.x = x;
   a.r = r;
@@ -65,8 +70,9 @@ static void run_case(const char* label, const char* name, long long rows, long l
   a.H = H;
   a.sx = a.sr = a.sy = a.sy2 = H;
   a.eps = 1e-6f;
-  a.offset = 1.0f;
-  a.flags = F_OFFSET | F_W_IS_INPUT | (OP == OP_FUSED ? F_ROUNDED : 0);
+  a.offset = OP == OP_GATED ? 0.0f : 1.0f;
+  a.flags = (OP == OP_GATED ? 0 : F_OFFSET) | F_W_IS_INPUT | (OP == OP_FUSED ? F_ROUNDED : 0) |
+            flags;
   set_alignment(a, 2);
   const float us = timer.median_us([&] { forward_t<OP, bf16>(a, nullptr); });
   CK(cudaDeviceSynchronize());
@@ -92,5 +98,8 @@ int main(int argc, char** argv) {
   run_case<OP_RMS>(label, "q/k rms", 4096, 256, timer);
   run_case<OP_FUSED>(label, "fused", 32768, 2048, timer);
   run_case<OP_FUSED>(label, "fused", 4096, 2048, timer);
+  // the GDN norm (the persistent gate-table kernel, not the one-row forward)
+  run_case<OP_GATED>(label, "gated vllm", 2097152, 128, timer);
+  run_case<OP_GATED>(label, "gated hf", 2097152, 128, timer, F_HF);
   return 0;
 }
