@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import platform
 import sys
@@ -254,6 +255,7 @@ def _ours():
     return found
 
 
+@functools.cache
 def _load_torch_ext():
     found = []
     try:
@@ -269,6 +271,7 @@ def _load_torch_ext():
     return found
 
 
+@functools.cache
 def _load_cupy():
     found = []
     try:
