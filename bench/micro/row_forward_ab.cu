@@ -25,7 +25,7 @@
 //   NORMSPEC_STREAMING_HINTS=0: the rows' 16-byte loads and stores without the
 //     evict-first hint (normspec_pipe.cuh), in every kernel, the gated one included.
 // The gated cases also follow the launcher's run-time switches, such as
-// NORMSPEC_GATED_FWD_DEPTH2=0 where the build has it.
+// NORMSPEC_GATED_FWD_DEPTH2=0 (one row ahead instead of two).
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
