@@ -387,34 +387,6 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     assert any(gc_kernel.search(n) for n in names), names
 
 
-@pytest.mark.parametrize("hidden", [32, 64, 128])
-@pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
-                         ids=lambda p: f"{p['convention']},{p['activation']}")
-def test_gate_table_forward_two_rows_ahead(params, hidden):
-    """Large bf16 gated launches of rows that fill a team with one vector per lane
-    (H = 32..128: the forward's one-pass geometry) run the persistent forward two rows
-    ahead (``DEPTH 2``: three row buffers, the loop
-    unrolled by three). Row counts from one per team to several, none a multiple of
-    the teams, so that the teams end on each of the three buffers, and some teams
-    get a row fewer: the spec's bits, and the profiler shows the DEPTH 2 kernel ran."""
-    import re
-
-    team_log = (hidden // 8).bit_length() - 1  # one vector of 8 bf16 per lane
-    base = 2**20 // hidden  # the smallest launch that uses the gate table
-    kernel = re.compile(
-        rf"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, 2>")
-    for i, factor in enumerate((1.0, 1.7, 2.6, 3.3, 5.1)):
-        shape = (int(base * factor) + 2 * i + 1, hidden)
-        check_case("rms_norm_gated", params, shape, torch.bfloat16, torch.float32, i,
-                   specials=True, backward=False)
-    rows, weight, _ = make_case("rms_norm_gated", params, (base + 3, hidden), torch.bfloat16,
-                                torch.float32, 0, specials=False)
-    crows = {k: v.cuda() for k, v in rows.items()}
-    names = cuda_kernel_names(lambda: ext_forward("rms_norm_gated", crows, weight.cuda(), EPS,
-                                                  params))
-    assert any(kernel.search(n) for n in names), names
-
-
 @pytest.mark.parametrize("hidden", [24, 128, 2048, 5000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("op,params", VARIANTS, ids=lambda v: v if isinstance(v, str) else
@@ -473,7 +445,6 @@ OVERRIDES = [
     {"NORMSPEC_ROW_BLOCK": "32"},
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
-    {"NORMSPEC_GATED_FWD_DEPTH2": "0"},  # the gated forward one row ahead, not two
 ]
 
 

@@ -19,8 +19,6 @@
 //   NORMSPEC_ROW_BLOCK=<threads>  (threads per block of the one-row forward for teams
 //                                  of at most 32 lanes: a power of two, 32..256;
 //                                  default: row_block)
-//   NORMSPEC_GATED_FWD_DEPTH2=0  (the gated forward's one-pass constant forms keep one
-//                                 row ahead in flight, not two)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -476,7 +474,7 @@ void allow_smem_once(K kernel, bool (&done)[64]) {
     done[dev] = true;
   }
 }
-template <int OP, typename T, int NP, int FULL_TL, int DEPTH = 1>
+template <int OP, typename T, int NP, int FULL_TL>
 void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream_t stream) {
   const void* w = pipe_weight(a);
   static int occ[9][2] = {{0}};
@@ -484,7 +482,7 @@ void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream
   constexpr int VEC = VecOf<T>::value;
   if (table) a.flags |= F_GATE_TABLE;
   const size_t smem = pipe_weight_bytes(g, VEC) + (table ? GATE_TABLE_SLOTS * sizeof(float) : 0);
-  auto kernel = normspec_fwd_pipe_kernel<OP, T, NP, FULL_TL, DEPTH>;
+  auto kernel = normspec_fwd_pipe_kernel<OP, T, NP, FULL_TL>;
   if (needs_optin(smem)) allow_smem_once(kernel, opted);
   int& n = occ[g.team_log][table];
   if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
@@ -518,16 +516,9 @@ bool with_team_log(int team_log, F&& f) {
   }
 }
 
-// NORMSPEC_GATED_FWD_DEPTH2=0: the one-pass constant forms of the gated forward keep
-// one row ahead in flight instead of two (normspec_fwd_pipe_kernel's DEPTH).
-inline bool gated_fwd_depth2_enabled() {
-  static const bool on = !switched_off("NORMSPEC_GATED_FWD_DEPTH2");
-  return on;
-}
-
 // The persistent forward. Gate-table launches of rows that fill the team
 // exactly (bf16, one or two passes over teams of 4..32 lanes: H = 32..512)
-// run the constant-geometry form; its one-pass form two rows ahead.
+// run the constant-geometry form.
 template <int OP, typename T, int NP>
 void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int VEC = VecOf<T>::value;
@@ -538,11 +529,7 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP <= 2) {
     if (table && full_row_forms_enabled() && fills_team<T, NP>(a.H, g.team_log) &&
         with_team_log<2, 5>(g.team_log, [&](auto tl) {
-          constexpr int TL = decltype(tl)::value;
-          if (NP == 1 && gated_fwd_depth2_enabled())
-            launch_fwd_pipe<OP, T, NP, TL, NP == 1 ? 2 : 1>(a, g, true, stream);
-          else
-            launch_fwd_pipe<OP, T, NP, TL>(a, g, true, stream);
+          launch_fwd_pipe<OP, T, NP, decltype(tl)::value>(a, g, true, stream);
         }))
       return;
   }

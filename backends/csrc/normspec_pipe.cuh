@@ -617,17 +617,7 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 // the team exactly (H = NP * VEC * 2**FULL_TL) with teams of 2**FULL_TL
 // threads, as for the one-row forward; the table is then always used, so the
 // kernel holds no inline evaluation of the activation outside the table fill.
-//
-// DEPTH: how many of the team's rows ahead are in flight while it works on one.
-// With 1, the loop's end copies the prefetched row into the working buffer, and
-// that copy waits for the load issued earlier in the same iteration: ncu-source
-// put 56 % of the gated forward's stall samples on it (bench/results/ncu/
-// gated_fwd_sass_H200.csv). With 2 (the one-pass constant forms only: three row
-// buffers fit their register budget, ptxas 60-64, where two passes would need
-// 92-95), the loop is unrolled by three so that rotating the buffers renames
-// registers instead of copying; past the last row a buffer takes zeros, never
-// written out, so that no copy of a pending load is needed either.
-template <int OP, typename T, int NP, int FULL_TL = -1, int DEPTH = 1>
+template <int OP, typename T, int NP, int FULL_TL = -1>
 __global__ void __launch_bounds__(256)
     normspec_fwd_pipe_kernel(const T* __restrict__ x, const T* __restrict__ r,
                              const void* __restrict__ w, T* __restrict__ y,
@@ -640,8 +630,6 @@ __global__ void __launch_bounds__(256)
   constexpr bool TABLE_OK = OP == OP_GATED && IsBf16<T>::value;
   constexpr bool FULL = FULL_TL >= 0;
   static_assert(!FULL || TABLE_OK, "the constant-geometry form is the gate-table kernel");
-  static_assert(DEPTH == 1 || (DEPTH == 2 && FULL && NP == 1),
-                "two rows ahead: the one-pass constant forms only");
   __shared__ float red[2][NP * 32];
   extern __shared__ float4 dyn[];  // weight factors, then the gate table
   const int team_log = FULL ? FULL_TL : team_log_arg;
@@ -658,23 +646,16 @@ __global__ void __launch_bounds__(256)
   float* tab = reinterpret_cast<float*>(dyn + weight_float4s<NP, VEC>(team_log));
   // rows of this team: row0 + (slot - lead), row0 = lead, lead + nslots, ...
   const long long mine = tm.slot - tm.lead;
-  // cx/cr: the row worked on; nx/nr: the next; mx/mr (DEPTH 2): the one after
-  uint4 cx[NP], cr[NP], nx[NP], nr[NP], mx[NP], mr[NP];
+  uint4 cx[NP], cr[NP], nx[NP], nr[NP];
   {
     const long long row = tm.lead + mine;
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       nx[p] = make_uint4(0u, 0u, 0u, 0u);
       nr[p] = nx[p];
-      mx[p] = nx[p];
-      mr[p] = nx[p];
       if (row < rows) {
         nx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
         if (TWO) nr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
-      }
-      if (DEPTH == 2 && row + tm.nslots < rows) {
-        mx[p] = load_raw<T>(x + (row + tm.nslots) * sx, p * S + tcol, Hc);
-        if (TWO) mr[p] = load_raw<T>(r + (row + tm.nslots) * sr, p * S + tcol, Hc);
       }
     }
   }
@@ -683,25 +664,16 @@ __global__ void __launch_bounds__(256)
   if (table) fill_act_table(tab, sig);
   __syncthreads();
   int buf = 0;
-#pragma unroll(DEPTH == 2 ? 3 : 1)
   for (long long row0 = tm.lead; row0 < rows; row0 += tm.nslots) {
     const long long row = row0 + mine;
-    const long long ahead = row + DEPTH * tm.nslots;  // the row this iteration prefetches
+    const long long nrow = row + tm.nslots;
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       cx[p] = nx[p];
       cr[p] = nr[p];
-      if constexpr (DEPTH == 2) {
-        nx[p] = mx[p];
-        nr[p] = mr[p];
-        mx[p] = make_uint4(0u, 0u, 0u, 0u);
-        mr[p] = mx[p];
-      }
-      uint4& lx = DEPTH == 2 ? mx[p] : nx[p];
-      uint4& lr = DEPTH == 2 ? mr[p] : nr[p];
-      if (ahead < rows) {  // prefetch: not read before a later iteration
-        lx = load_raw<T>(x + ahead * sx, p * S + tcol, Hc);
-        if (TWO) lr = load_raw<T>(r + ahead * sr, p * S + tcol, Hc);
+      if (nrow < rows) {  // prefetch: not read before the next iteration
+        nx[p] = load_raw<T>(x + nrow * sx, p * S + tcol, Hc);
+        if (TWO) nr[p] = load_raw<T>(r + nrow * sr, p * S + tcol, Hc);
       }
     }
     const float rstd =

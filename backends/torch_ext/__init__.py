@@ -40,9 +40,6 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_GATE_TABLE=0``: no activation table (every gate evaluated);
 * ``NORMSPEC_FULL_ROW=0``: no constant-geometry kernels (the general ones also
   for rows that fill the team exactly; the CuPy backend's forward reads it too);
-* ``NORMSPEC_GATED_FWD_DEPTH2=0``: the gate-table forward's one-pass constant forms
-  (bf16 rows of 32..128) keep one row per team in flight ahead of the one they work
-  on, instead of two (the torch extension only);
 * ``NORMSPEC_TREE_LAST=0``: dweight's workspace tree folded by levels of 16 rows down
   to one row and then cast, instead of a last launch that folds up to 256 rows and
   casts (the torch extension only);

@@ -24,8 +24,8 @@
 //     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
 //   NORMSPEC_STREAMING_HINTS=0: the rows' 16-byte loads and stores without the
 //     evict-first hint (normspec_pipe.cuh), in every kernel, the gated one included.
-// The gated cases also follow the launcher's run-time switches, such as
-// NORMSPEC_GATED_FWD_DEPTH2=0 (one row ahead instead of two).
+// The gated cases also follow the launcher's run-time switches (NORMSPEC_GATE_TABLE,
+// NORMSPEC_FULL_ROW, ...).
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
