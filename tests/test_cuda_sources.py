@@ -85,6 +85,36 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert wanted <= defined, wanted - defined
 
 
+ROW_VECTOR_PROBE = r"""
+#include "normspec_pipe.cuh"
+__global__ void probe(const uint4* a, uint4* b) {
+  normspec::store_row_vector(b + threadIdx.x, normspec::load_row_vector(a + threadIdx.x));
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("hints", [None, "1"], ids=["default", "hints"])
+def test_row_vectors_are_plain_unless_hinted(tmp_path, hints):
+    """The rows' 16-byte loads and stores are plain ``ld.global`` / ``st.global`` (faster
+    than evict-first on the H200's large forwards: bench/results/sweeps/
+    streaming_hints_depth2.json); ``-DNORMSPEC_STREAMING_HINTS=1`` gives them the ``.cs``
+    (evict-first) qualifier instead."""
+    src = tmp_path / "probe.cu"
+    src.write_text(ROW_VECTOR_PROBE)
+    ptx = tmp_path / "probe.ptx"
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-I", str(CSRC), "-ptx", str(src),
+           "-o", str(ptx), *([f"-DNORMSPEC_STREAMING_HINTS={hints}"] if hints else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    text = ptx.read_text()
+    loads = re.findall(r"\bld\.global[.\w]*\.v4\.\w+", text)
+    stores = re.findall(r"\bst\.global[.\w]*\.v4\.\w+", text)
+    assert len(loads) == 1 and len(stores) == 1, (loads, stores)
+    assert (".cs." in loads[0]) == bool(hints), loads
+    assert (".cs." in stores[0]) == bool(hints), stores
+
+
 MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
 
 

@@ -71,15 +71,17 @@ struct RawBits<__nv_bfloat16> : RawBits16<__nv_bfloat16> {};
 template <>
 struct RawBits<__half> : RawBits16<__half> {};
 
-// The rows' 16-byte loads and stores carry the streaming (evict-first) cache hint:
-// LDG.E.EF.128 / STG.E.EF.128. NORMSPEC_STREAMING_HINTS=0 (a build-time macro, for the
-// A/B in bench/micro/row_forward_ab.cu) makes them plain loads and stores, as triton's
-// kernels have them. In the bench, whose L2 flush before each call leaves the L2 full of
-// dirty lines, our row forwards lose more time against their time alone under ncu than
-// torch.compile's do (q/k 524288 x 256: 128.5 -> 141.0 us against 126.5 -> 129.8;
-// notes/perf.md §18): the hint is one difference between them.
+// The rows' 16-byte loads and stores are plain (LDG.E.128 / STG.E.128), as triton's
+// kernels have them. NORMSPEC_STREAMING_HINTS=1 (a build-time macro, for the A/B in
+// bench/micro/row_forward_ab.cu) gives them the streaming (evict-first) hint instead,
+// __ldcs / __stcs: LDG.E.EF.128 / STG.E.EF.128, as before d9aea9e. On the H200 the
+// plain forms are 4-7 % faster on every large forward (q/k 524288 x 256 140.6 -> 132.5
+// us, gated 2^21 x 128 vllm 423.9 -> 396.9, rms 65536 x 2048 138.6 -> 131.5) and 3 %
+// slower on rms 4096 x 2048 (13.9 -> 14.4; bench/results/sweeps/
+// streaming_hints_depth2.json). Plain also leaves a norm's output in L2 for the layer
+// that reads it next.
 #ifndef NORMSPEC_STREAMING_HINTS
-#define NORMSPEC_STREAMING_HINTS 1
+#define NORMSPEC_STREAMING_HINTS 0
 #endif
 __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
 #if NORMSPEC_STREAMING_HINTS
@@ -103,7 +105,7 @@ __device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
 }
 
 // VEC elements of a row from col (zero bits beyond H), as one raw vector.
-// Full vectors are one streaming 16-byte load; only the last, partial vector
+// Full vectors are one 16-byte load; only the last, partial vector
 // of a row falls back to element loads.
 template <typename T>
 __device__ __forceinline__ uint4 load_raw(const T* __restrict__ row, int col, int H) {
@@ -129,7 +131,7 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&v)[VecOf<T>::valu
   for (int j = 0; j < VecOf<T>::value; ++j) v[j] = RawBits<T>::get(u, j);
 }
 
-// Round VEC fp32 values to T and store those below H (streaming stores).
+// Round VEC fp32 values to T and store those below H.
 template <typename T>
 __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
                                           const float (&v)[VecOf<T>::value]) {

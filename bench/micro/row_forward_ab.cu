@@ -22,8 +22,9 @@
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
 //     into L1 before the reduction (the weight itself is still loaded after it; on the
 //     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
-//   NORMSPEC_STREAMING_HINTS=0: the rows' 16-byte loads and stores without the
-//     evict-first hint (normspec_pipe.cuh), in every kernel, the gated one included.
+//   NORMSPEC_STREAMING_HINTS=1: the rows' 16-byte loads and stores with the
+//     evict-first hint (normspec_pipe.cuh; the shipped kernels' until d9aea9e), in
+//     every kernel, the gated one included.
 // The gated cases also follow the launcher's run-time switches (NORMSPEC_GATE_TABLE,
 // NORMSPEC_FULL_ROW, ...).
 //
