@@ -1,0 +1,95 @@
+"""bench/micro/ab.py: parsing the harnesses' lines, variants, medians and hash checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("bench_micro_ab", ROOT / "bench" / "micro" / "ab.py")
+ab = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_micro_ab"] = ab  # dataclasses look their module up there
+_SPEC.loader.exec_module(ab)
+
+# lines as the harnesses print them (row_forward_ab.cu, small_backward_ab.cu)
+ROW_LINE = ("v1                                 q/k rms       524288 x 256      132.45 us  "
+            "0123456789abcdef")
+BWD_LINE = "v0           norm  32768 x 2048  fwd   68.80 us  bwd  118.50 us  7fafe622dae0dd54"
+FLOOR_LINE = "v2           floor                          8192 B smem      2.81 us"
+
+
+def test_parse_line_reads_case_times_and_hash():
+    row = ab.parse_line(ROW_LINE)
+    assert (row.label, row.case, row.times, row.digest) == (
+        "v1", "q/k rms 524288 x 256", {"us": 132.45}, "0123456789abcdef")
+    bwd = ab.parse_line(BWD_LINE)
+    assert (bwd.label, bwd.case, bwd.times, bwd.digest) == (
+        "v0", "norm 32768 x 2048", {"fwd": 68.8, "bwd": 118.5}, "7fafe622dae0dd54")
+    floor = ab.parse_line(FLOOR_LINE)
+    assert (floor.case, floor.times, floor.digest) == ("floor 8192 B smem", {"us": 2.81}, None)
+    assert ab.parse_line("") is None
+    assert ab.parse_line("v0 building the tables") is None
+
+
+def test_variants_cross_builds_and_envs_and_reject_bad_env():
+    vs = ab.variants(["", "-DX=1"], ["", "A=0 B=2"])
+    assert [(v.name, v.build, v.env) for v in vs] == [
+        ("v0", "", {}), ("v1", "", {"A": "0", "B": "2"}),
+        ("v2", "-DX=1", {}), ("v3", "-DX=1", {"A": "0", "B": "2"})]
+    assert [ab.describe(v) for v in vs] == ["default", "A=0 B=2", "-DX=1", "-DX=1 A=0 B=2"]
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        ab.variants([""], ["A"])
+
+
+def test_summarize_takes_medians_and_flags_differing_hashes():
+    vs = ab.variants(["", "-DX=1"], [""])
+    rows = [{"variant": v, "round": r, "case": c, "times_us": {"us": t}, "hash": h}
+            for v, r, c, t, h in [("v0", 1, "a", 10.0, "1"), ("v1", 1, "a", 8.0, "1"),
+                                  ("v0", 2, "a", 12.0, "1"), ("v1", 2, "a", 9.0, "1"),
+                                  ("v0", 1, "b", 5.0, "2"), ("v1", 1, "b", 5.0, "3")]]
+    summary, differ = ab.summarize(rows, vs)
+    assert summary[:2] == [{"case": "a", "variant": "v0", "median_us": {"us": 11.0}},
+                           {"case": "a", "variant": "v1", "median_us": {"us": 8.5}}]
+    assert differ == ["b"]
+
+
+def test_main_names_the_missing_harness(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["bench/micro/no_such_harness.cu"])
+    assert exc.value.code == 2
+    assert "no_such_harness.cu" in capsys.readouterr().err
+
+
+def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
+    """With nvcc replaced by a script that writes a shell 'harness', the whole loop runs:
+    two builds, two settings, two rounds, the medians and the JSON."""
+    if shutil.which("sh") is None:
+        pytest.skip("needs sh")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    nvcc = fake / "nvcc"
+    # the fake compiler writes an executable that prints one line per case; the time
+    # depends on the -D flag and the X variable, the hash on nothing
+    nvcc.write_text('#!/bin/sh\nout=""; d=0\nwhile [ $# -gt 0 ]; do case "$1" in -o) out=$2; '
+                    'shift;; -DFAST=1) d=1;; esac; shift; done\n'
+                    'printf \'#!/bin/sh\\nt=$((10 - %s - ${X:-0}))\\n'
+                    'echo "$1 rms 4096 x 2048 $t.00 us 00000000000000aa"\\n\' "$d" > "$out"\n'
+                    'chmod +x "$out"\n')
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    harness = tmp_path / "h.cu"
+    harness.write_text("// fake\n")
+    out = tmp_path / "ab.json"
+    rc = ab.main([str(harness), "--build", "", "--build=-DFAST=1", "--env", "",
+                  "--env", "X=2", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    medians = {(m["variant"], m["case"]): m["median_us"]["us"] for m in doc["medians"]}
+    assert medians == {("v0", "rms 4096 x 2048"): 10.0, ("v1", "rms 4096 x 2048"): 8.0,
+                       ("v2", "rms 4096 x 2048"): 9.0, ("v3", "rms 4096 x 2048"): 7.0}
+    assert len(doc["rows"]) == 8 and doc["hashes_differ"] == []
