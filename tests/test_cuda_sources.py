@@ -94,25 +94,34 @@ __global__ void probe(const uint4* a, uint4* b) {
 
 
 @needs_nvcc
-@pytest.mark.parametrize("hints", [None, "1"], ids=["default", "hints"])
-def test_row_vectors_are_plain_unless_hinted(tmp_path, hints):
+@pytest.mark.parametrize("form", ["default", "hints", "policy1", "policy2", "policy3"])
+def test_row_vectors_are_plain_unless_asked(tmp_path, form):
     """The rows' 16-byte loads and stores are plain ``ld.global`` / ``st.global`` (faster
     than evict-first on the H200's large forwards: bench/results/sweeps/
-    streaming_hints_depth2.json); ``-DNORMSPEC_STREAMING_HINTS=1`` gives them the ``.cs``
-    (evict-first) qualifier instead."""
+    streaming_hints_depth2.json). ``-DNORMSPEC_STREAMING_HINTS=1`` gives them the ``.cs``
+    (evict-first) qualifier; ``-DNORMSPEC_L2_POLICY=1|2|3`` an L2 cache policy operand
+    (evict_first / evict_last / evict_normal), and the probe assembles for sm_90a."""
+    flag = {"default": [], "hints": ["-DNORMSPEC_STREAMING_HINTS=1"]}.get(
+        form, [f"-DNORMSPEC_L2_POLICY={form[-1]}"])
     src = tmp_path / "probe.cu"
     src.write_text(ROW_VECTOR_PROBE)
     ptx = tmp_path / "probe.ptx"
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-I", str(CSRC), "-ptx", str(src),
-           "-o", str(ptx), *([f"-DNORMSPEC_STREAMING_HINTS={hints}"] if hints else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    base = [NVCC, "-arch=sm_90a", "-std=c++17", "-O3", "-I", str(CSRC), *flag, str(src)]
+    done = subprocess.run([*base, "-ptx", "-o", str(ptx)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-6000:]
     text = ptx.read_text()
-    loads = re.findall(r"\bld\.global[.\w]*\.v4\.\w+", text)
-    stores = re.findall(r"\bst\.global[.\w]*\.v4\.\w+", text)
+    loads = re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text)
+    stores = re.findall(r"\bst\.global[.:\w]*\.v4\.\w+", text)
     assert len(loads) == 1 and len(stores) == 1, (loads, stores)
-    assert (".cs." in loads[0]) == bool(hints), loads
-    assert (".cs." in stores[0]) == bool(hints), stores
+    for op in (loads[0], stores[0]):
+        assert (".cs." in op) == (form == "hints"), op
+        assert ("L2::cache_hint" in op) == form.startswith("policy"), op
+    if form.startswith("policy"):
+        level = {"1": "evict_first", "2": "evict_last", "3": "evict_normal"}[form[-1]]
+        assert re.search(rf"createpolicy\.fractional\.L2::{level}\.b64", text), text
+        done = subprocess.run([*base, "-cubin", "-o", str(tmp_path / "probe.cubin")],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-6000:]
 
 
 MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
