@@ -1075,9 +1075,10 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                if a.flags & F_ALIGNED and row_forward_enabled() else None)
         if row is not None:
             name, grid, block, team_log = row
-            # the one-row kernel also takes the team size (log2); rstd_out: not kept here
+            # the one-row kernel also takes the team size (log2); rstd_out: not kept here;
+            # gtab: no global gate table (the torch extension's NORMSPEC_GATED_ROW_TABLE)
             _launch(_kernel(side.dev, op, dt, name), grid, block,
-                    (*args, np.int32(team_log), np.uint64(0)))
+                    (*args, np.int32(team_log), np.uint64(0), np.uint64(0)))
         else:
             name, grid, block = forward_launch(op, dt, nrows, hidden)
             _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, np.uint64(0)))

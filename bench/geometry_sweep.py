@@ -7,7 +7,9 @@ persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``:
 gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
 (``0``: the general-geometry kernels also where a constant-geometry form exists)
 ``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
-forward's) and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward for teams of at
+forward's), ``NORMSPEC_GATED_ROW_TABLE`` (``1``: the experiment of large bf16 gated
+forwards through the one-row kernel with a gate table in global memory: ``rowtable=1``)
+and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward for teams of at
 most 32 lanes; by default 256, or 32 for launches of many waves: the
 ``rowblock=32/64/128/256`` candidates)
 once per process, so every candidate runs in a fresh subprocess. Each child
@@ -55,7 +57,7 @@ EPS = 1e-6
 BF16 = torch.bfloat16
 ENV_VARS = ("NORMSPEC_FWD_TEAM", "NORMSPEC_BWD_TEAM", "NORMSPEC_BWD_GLOG", "NORMSPEC_PIPE",
             "NORMSPEC_FWD_ROW", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW",
-            "NORMSPEC_SAVED_RSTD", "NORMSPEC_ROW_BLOCK")
+            "NORMSPEC_SAVED_RSTD", "NORMSPEC_ROW_BLOCK", "NORMSPEC_GATED_ROW_TABLE")
 MARK = "GEOMETRY_SWEEP_RESULT "
 
 # name -> (op, timed rows, verified rows, H, params)
@@ -280,7 +282,8 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
            {"name": "table=0", "env": {"NORMSPEC_GATE_TABLE": "0"}, "parts": both},
            {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]},
            {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both},
-           {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]}]
+           {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]},
+           {"name": "rowtable=1", "env": {"NORMSPEC_GATED_ROW_TABLE": "1"}, "parts": ["fwd"]}]
     out += [{"name": f"rowblock={b}", "env": {"NORMSPEC_ROW_BLOCK": str(b)}, "parts": ["fwd"]}
             for b in (32, 64, 128, 256)]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
@@ -369,7 +372,8 @@ def report(results: list[dict]) -> None:
                 team = int(res["env"][var]) if var in res["env"] else None
                 pipe = res["env"].get("NORMSPEC_PIPE") != "0"
                 table = name.startswith("gated") and res["env"].get("NORMSPEC_GATE_TABLE") != "0"
-                row_fwd = res["env"].get("NORMSPEC_FWD_ROW") != "0" and not table
+                row_table = res["env"].get("NORMSPEC_GATED_ROW_TABLE") == "1"
+                row_fwd = res["env"].get("NORMSPEC_FWD_ROW") != "0" and (not table or row_table)
                 geoms[part] = (geometry(part, hidden, team, pipe=pipe, row=row_fwd,
                                         two_inputs=not name.startswith(("rms", "qk")))
                                if f"{part}_us" in row else "-")

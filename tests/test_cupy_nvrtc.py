@@ -552,7 +552,9 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     # the lowered names carry the argument types the launcher packs
     # 5 pointers, 6 long long, 2 float, int, rstd_out (the launcher packs a null pointer)
     fwd = "PKT0_S[0-9]_PKfPS[0-9]_S[0-9]_xxxxxxffiPf$"
-    row = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPf$"  # + the weight as void*, team_log
+    # the one-row forward: + the weight as void*, team_log, and after rstd_out the global
+    # gate table of the torch extension's experiment (the launcher packs a null pointer)
+    row = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPfPKf$"
     bwd = "Pfxxxxxxxxffii$"  # ws, 8 long long, eps, offset, flags, glog
     # the pipelined backward: x, r, the weight as void*, dy, dres, dx, d2, ws, 8 long long,
     # eps, offset, flags, team_log, glog, the saved rstd (the launcher packs a null pointer)

@@ -445,6 +445,7 @@ OVERRIDES = [
     {"NORMSPEC_ROW_BLOCK": "32"},
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
+    {"NORMSPEC_GATED_ROW_TABLE": "1"},  # the experiment: a gate table in global memory
 ]
 
 
@@ -469,6 +470,64 @@ def test_geometry_overrides_bitwise(env):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         f"{env}: rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     assert "ignoring" not in done.stderr, done.stderr[-2000:]
+
+
+# ---- the experiment NORMSPEC_GATED_ROW_TABLE=1 -------------------------------------------
+ROW_TABLE_CHILD = r"""
+import re
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import test_torch_ext_cuda as t
+from _torch_ext_cases import VARIANTS
+t.te.build()
+gen = torch.Generator().manual_seed(5)
+every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+rows_n, hidden = 32768, 128  # rows enough for the two-pass row geometry (teams of 8)
+gate = every[torch.randperm(every.numel(), generator=gen)].repeat(64).view(rows_n, hidden)
+x = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
+w = torch.randn(hidden, generator=gen) * 0.1 + 1.0
+rows = {"x": x, "gate": gate}
+crows = {k: v.cuda() for k, v in rows.items()}
+cw = w.cuda()
+for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
+    want = t.spec_forward("rms_norm_gated", rows, w, t.EPS, params)
+    if params["activation"] == "silu" and params["convention"] == "vllm":
+        # the first use of the table inside a CUDA graph capture: not filled there, so
+        # the capture holds the persistent kernel, and the replay gives the spec's bits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
+        graph.replay()
+        torch.cuda.synchronize()
+        t.assert_bits(out[0], want[0], f"graph {params}")
+    names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows, cw, t.EPS,
+                                                      params))
+    gt = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1)>")
+    assert any(gt.search(n) for n in names), names
+    got = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
+    t.assert_bits(got[0], want[0], f"every gate {params}")
+print("ok")
+"""
+
+
+def test_gated_row_table_experiment_bitwise():
+    """NORMSPEC_GATED_ROW_TABLE=1 (off by default): every one of the 2**16 bf16 gates,
+    both conventions and activations, through the one-row forward with the gate table in
+    global memory gives the spec's bits, the profiler shows that kernel ran, and a first
+    use inside a CUDA graph capture (where the table is not filled) still does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    # eager module loading: no kernel is first loaded inside the capture
+    env = {**os.environ, "NORMSPEC_GATED_ROW_TABLE": "1", "CUDA_MODULE_LOADING": "EAGER"}
+    done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 
 
 # ---- the dweight tree's tail ------------------------------------------------------------

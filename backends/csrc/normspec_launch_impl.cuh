@@ -19,6 +19,9 @@
 //   NORMSPEC_ROW_BLOCK=<threads>  (threads per block of the one-row forward for teams
 //                                  of at most 32 lanes: a power of two, 32..256;
 //                                  default: row_block)
+//   NORMSPEC_GATED_ROW_TABLE=1  (an experiment, off by default: large bf16 gated
+//                                forwards run one row per team with a gate table in
+//                                global memory; forward_row_with_global_table)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -29,6 +32,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -536,15 +540,89 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
   launch_fwd_pipe<OP, T, NP, -1>(a, g, table, stream);
 }
 
-template <int OP, typename T, int NP, int FULL_TL>
-void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
+template <int OP, typename T, int NP, int FULL_TL, bool GT = false>
+void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
+                const float* gtab = nullptr) {
   const void* w = pipe_weight(a);
   const int block = row_block(g, a.rows);
   const unsigned grid = grid_for(a.rows, block >> g.team_log);
-  normspec_fwd_row_kernel<OP, T, NP, FULL_TL><<<grid, block, 0, stream>>>(
+  normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
-      g.team_log, a.rstd_out);
+      g.team_log, a.rstd_out, gtab);
+}
+
+// ---- the experiment NORMSPEC_GATED_ROW_TABLE=1 (off by default) -------------------------
+// Large bf16 gated forwards run the one-row kernel with act(z) read from a gate table in
+// global memory (normspec_fwd_row_kernel's GT) instead of the persistent kernel with its
+// per-block table in shared memory. The table (both activations) is a device variable of
+// this translation unit, filled once per process and device by a synchronous launch on
+// the caller's stream; while a stream is being captured into a CUDA graph it is not
+// filled, and such a launch keeps the persistent kernel.
+inline bool gated_row_table_enabled() {
+  static const bool on = [] {
+    const char* s = std::getenv("NORMSPEC_GATED_ROW_TABLE");
+    return s != nullptr && s[0] == '1' && s[1] == '\0';
+  }();
+  return on;
+}
+template <typename T>
+__device__ float gate_table_storage[2 * GATE_TABLE_SLOTS];
+// The filled table of one activation on the current device, or nullptr (capturing
+// before the first fill, or a CUDA error, which is cleared).
+template <typename T>
+const float* global_gate_table(bool sig, cudaStream_t stream) {
+  static std::atomic<bool> filled[64][2] = {};
+  static std::atomic<float*> bases[64] = {};  // the variable's address on each device
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  float* base = bases[dev].load(std::memory_order_acquire);
+  if (base == nullptr) {
+    void* found = nullptr;
+    if (cudaGetSymbolAddress(&found, gate_table_storage<T>) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    base = static_cast<float*>(found);
+    bases[dev].store(base, std::memory_order_release);
+  }
+  float* tab = base + (sig ? GATE_TABLE_SLOTS : 0);
+  if (!filled[dev][sig].load(std::memory_order_acquire)) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    normspec_fill_gate_table_kernel<T><<<GATE_TABLE_SLOTS / 256, 256, 0, stream>>>(tab, sig);
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return nullptr;
+    filled[dev][sig].store(true, std::memory_order_release);
+  }
+  return tab;
+}
+// The gated forward through the global table where the experiment is on and the row
+// geometry is a two-pass constant form (rows of 64..1024 bf16); returns whether it ran.
+template <int OP, typename T>
+bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
+  if constexpr (OP == OP_GATED && IsBf16<T>::value) {
+    if (!gated_row_table_enabled() || !(a.flags & F_ALIGNED) || !use_gate_table<OP, T>(a) ||
+        !full_row_forms_enabled())
+      return false;
+    const PipeGeometry g = row_geometry(a.H, VecOf<T>::value, forward_team_override(), true,
+                                        a.rows);
+    if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
+    const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
+    if (tab == nullptr) return false;
+    return with_team_log<2, 6>(g.team_log, [&](auto tl) {
+      launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
+    });
+  } else {
+    static_cast<void>(a), static_cast<void>(stream);
+    return false;
+  }
 }
 
 // Rows that fill the team exactly with the default passes (power-of-two H) run
@@ -673,6 +751,7 @@ inline ForwardKind forward_kind(int op, bool bf16, const LaunchArgs& a, int vec)
 
 template <int OP, typename T>
 void forward_t(const LaunchArgs& a, cudaStream_t stream) {
+  if (forward_row_with_global_table<OP, T>(a, stream)) return;
   const ForwardKind kind = forward_kind(OP, IsBf16<T>::value, a, VecOf<T>::value);
   if (kind == FWD_ROW) {
     const PipeGeometry rg =

@@ -647,6 +647,16 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 
 }  // namespace normspec
 
+// The gate table in global memory of the one-row forward's GT form: act(z) of every
+// slot (normspec::slot_gate), `sig` choosing the activation, with the declared function.
+// (A template, T the gates' dtype, so that each translation unit may hold it.)
+template <typename T>
+__global__ void normspec_fill_gate_table_kernel(float* __restrict__ tab, int sig) {
+  for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < normspec::GATE_TABLE_SLOTS;
+       k += gridDim.x * blockDim.x)
+    tab[k] = normspec::act_fp32(normspec::slot_gate(k), sig != 0);
+}
+
 // ---- forward --------------------------------------------------------------------
 //   OP_RMS: r, y2 unused.  OP_FUSED: r = residual, y2 = new residual.
 //   OP_GATED: r = gate, y2 unused.
@@ -766,17 +776,27 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // functions (shuffle and tree levels, tails, col < H) folds away; the launcher
 // picks this form for power-of-two rows in the default geometry. FULL_TL = -1:
 // any H and team (the `H` and `team_log` arguments).
-template <int OP, typename T, int NP, int FULL_TL = -1>
+//
+// GT (an experiment, NORMSPEC_GATED_ROW_TABLE=1; the gated op on bf16 only): act(z) from
+// `gtab`, a gate table in global memory that the launcher fills once per device
+// (normspec_fill_gate_table_kernel), instead of evaluating it per element. The
+// persistent kernel's table lives in shared memory and is filled by every block, which
+// is what makes that kernel persistent; a global table lets the gated forward run one
+// row per team like the other ops (the bits are the declared functions' either way).
+template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
 __global__ void __launch_bounds__(256)
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
                             long long sr, long long sy, long long sy2, float eps, float offset,
-                            int flags, int team_log_arg, float* __restrict__ rstd_out = nullptr) {
+                            int flags, int team_log_arg, float* __restrict__ rstd_out = nullptr,
+                            const float* __restrict__ gtab = nullptr) {
   using namespace normspec;
   constexpr int VEC = VecOf<T>::value;
   constexpr bool TWO = OP != OP_RMS;
   constexpr bool FULL = FULL_TL >= 0;
+  static_assert(!GT || (OP == OP_GATED && IsBf16<T>::value),
+                "the global gate table holds bf16 gates");
   __shared__ float red[NP * 32];
   const int team_log = FULL ? FULL_TL : team_log_arg;
   const Team tm = make_team(team_log);
@@ -856,7 +876,8 @@ __global__ void __launch_bounds__(256)
       T* yl = y + row * sy + tcol;
       T* y2l = OP == OP_FUSED ? y2 + row * sy2 + tcol : nullptr;
       if constexpr (KEEP) {
-        forward_of<OP, T>(v[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S, Hl);
+        forward_of<OP, T>(v[p], cr[p], flags, rstd, g, GT, GT ? gtab : nullptr, yl, y2l, p * S,
+                          Hl);
       } else {
         if constexpr (PER_PASS) {
           forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,

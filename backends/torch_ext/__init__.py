@@ -40,6 +40,10 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_GATE_TABLE=0``: no activation table (every gate evaluated);
 * ``NORMSPEC_FULL_ROW=0``: no constant-geometry kernels (the general ones also
   for rows that fill the team exactly; the CuPy backend's forward reads it too);
+* ``NORMSPEC_GATED_ROW_TABLE=1`` (an experiment, off by default): large bf16 gated
+  forwards of 64..1024-element rows run one row per team, reading act(z) from a gate
+  table in global memory that is filled once per process and device, instead of the
+  persistent kernel with a table per block (the torch extension only);
 * ``NORMSPEC_TREE_LAST=0``: dweight's workspace tree folded by levels of 16 rows down
   to one row and then cast, instead of a last launch that folds up to 256 rows and
   casts (the torch extension only);
