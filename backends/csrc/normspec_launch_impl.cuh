@@ -72,12 +72,14 @@ inline Geometry default_backward_geometry(long long H, int vec) {
   return {1024, 0};
 }
 
+// Whether environment variable `name` is exactly the one character `value`.
+inline bool env_is(const char* name, char value) {
+  const char* s = std::getenv(name);
+  return s != nullptr && s[0] == value && s[1] == '\0';
+}
 // Whether environment variable `name` is exactly "0": the speed switches that keep an
 // older code path for timing (read once by each caller).
-inline bool switched_off(const char* name) {
-  const char* s = std::getenv(name);
-  return s != nullptr && s[0] == '0' && s[1] == '\0';
-}
+inline bool switched_off(const char* name) { return env_is(name, '0'); }
 
 // The team size in environment variable `name` (0 = unset or invalid).
 inline int team_from_env(const char* name, int max_threads) {
@@ -560,10 +562,7 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
 // the caller's stream; while a stream is being captured into a CUDA graph it is not
 // filled, and such a launch keeps the persistent kernel.
 inline bool gated_row_table_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("NORMSPEC_GATED_ROW_TABLE");
-    return s != nullptr && s[0] == '1' && s[1] == '\0';
-  }();
+  static const bool on = env_is("NORMSPEC_GATED_ROW_TABLE", '1');
   return on;
 }
 template <typename T>
