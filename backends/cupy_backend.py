@@ -1076,7 +1076,7 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
         if row is not None:
             name, grid, block, team_log = row
             # the one-row kernel also takes the team size (log2); rstd_out: not kept here;
-            # gtab: no global gate table (the torch extension's NORMSPEC_GATED_ROW_TABLE)
+            # gtab: no global gate table (the torch extension's gated forward has one)
             _launch(_kernel(side.dev, op, dt, name), grid, block,
                     (*args, np.int32(team_log), np.uint64(0), np.uint64(0)))
         else:

@@ -7,8 +7,9 @@ persistent forward instead of one row per team), ``NORMSPEC_GATE_TABLE`` (``0``:
 gated kernels evaluate the activation for every element) and ``NORMSPEC_FULL_ROW``
 (``0``: the general-geometry kernels also where a constant-geometry form exists)
 ``NORMSPEC_SAVED_RSTD`` (``0``: the backward recomputes rstd instead of reading the
-forward's), ``NORMSPEC_GATED_ROW_TABLE`` (``1``: the experiment of large bf16 gated
-forwards through the one-row kernel with a gate table in global memory: ``rowtable=1``)
+forward's), ``NORMSPEC_GATED_ROW_TABLE`` (``0``: large bf16 gated forwards on the
+persistent kernel with a gate table per block, not one row per team with a table in
+global memory: ``rowtable=0``)
 and ``NORMSPEC_ROW_BLOCK`` (threads per block of the one-row forward for teams of at
 most 32 lanes; by default 256, or 32 for launches of many waves: the
 ``rowblock=32/64/128/256`` candidates)
@@ -283,7 +284,7 @@ def candidates(fwd: list[int], bwd: list[int], glog: list[int],
            {"name": "row=0", "env": {"NORMSPEC_FWD_ROW": "0"}, "parts": ["fwd"]},
            {"name": "full=0", "env": {"NORMSPEC_FULL_ROW": "0"}, "parts": both},
            {"name": "rstd=0", "env": {"NORMSPEC_SAVED_RSTD": "0"}, "parts": ["bwd"]},
-           {"name": "rowtable=1", "env": {"NORMSPEC_GATED_ROW_TABLE": "1"}, "parts": ["fwd"]}]
+           {"name": "rowtable=0", "env": {"NORMSPEC_GATED_ROW_TABLE": "0"}, "parts": ["fwd"]}]
     out += [{"name": f"rowblock={b}", "env": {"NORMSPEC_ROW_BLOCK": str(b)}, "parts": ["fwd"]}
             for b in (32, 64, 128, 256)]
     out += [{"name": f"team={t}", "env": {"NORMSPEC_FWD_TEAM": str(t),
@@ -372,7 +373,7 @@ def report(results: list[dict]) -> None:
                 team = int(res["env"][var]) if var in res["env"] else None
                 pipe = res["env"].get("NORMSPEC_PIPE") != "0"
                 table = name.startswith("gated") and res["env"].get("NORMSPEC_GATE_TABLE") != "0"
-                row_table = res["env"].get("NORMSPEC_GATED_ROW_TABLE") == "1"
+                row_table = res["env"].get("NORMSPEC_GATED_ROW_TABLE") != "0"
                 row_fwd = res["env"].get("NORMSPEC_FWD_ROW") != "0" and (not table or row_table)
                 geoms[part] = (geometry(part, hidden, team, pipe=pipe, row=row_fwd,
                                         two_inputs=not name.startswith(("rms", "qk")))

@@ -777,7 +777,7 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // picks this form for power-of-two rows in the default geometry. FULL_TL = -1:
 // any H and team (the `H` and `team_log` arguments).
 //
-// GT (an experiment, NORMSPEC_GATED_ROW_TABLE=1; the gated op on bf16 only): act(z) from
+// GT (large bf16 gated forwards; NORMSPEC_GATED_ROW_TABLE=0 turns it off): act(z) from
 // `gtab`, a gate table in global memory that the launcher fills once per device
 // (normspec_fill_gate_table_kernel), instead of evaluating it per element. The
 // persistent kernel's table lives in shared memory and is filled by every block, which
