@@ -93,16 +93,26 @@ __global__ void probe(const uint4* a, uint4* b) {
 """
 
 
+L2_LEVELS = {"1": r"evict_first", "2": r"evict_last", "3": r"evict_normal",
+             "4": r"evict_last\.L2::evict_unchanged"}
+
+
 @needs_nvcc
-@pytest.mark.parametrize("form", ["default", "hints", "policy1", "policy2", "policy3"])
+@pytest.mark.parametrize("form", ["default", "hints", "policy1", "policy2", "policy3",
+                                  "policy4", "load2", "store2"])
 def test_row_vectors_are_plain_unless_asked(tmp_path, form):
     """The rows' 16-byte loads and stores are plain ``ld.global`` / ``st.global`` (faster
     than evict-first on the H200's large forwards: bench/results/sweeps/
     streaming_hints_depth2.json). ``-DNORMSPEC_STREAMING_HINTS=1`` gives them the ``.cs``
-    (evict-first) qualifier; ``-DNORMSPEC_L2_POLICY=1|2|3`` an L2 cache policy operand
-    (evict_first / evict_last / evict_normal), and the probe assembles for sm_90a."""
+    (evict-first) qualifier; ``-DNORMSPEC_L2_POLICY=1|2|3|4`` an L2 cache policy operand
+    (evict_first / evict_last / evict_normal / evict_last for half the lines), and
+    ``NORMSPEC_L2_LOAD_POLICY`` / ``NORMSPEC_L2_STORE_POLICY`` to one side only; the
+    probe assembles for sm_90a."""
+    macro = {"policy": "NORMSPEC_L2_POLICY", "load": "NORMSPEC_L2_LOAD_POLICY",
+             "store": "NORMSPEC_L2_STORE_POLICY"}
+    kind = form.rstrip("0123456789")
     flag = {"default": [], "hints": ["-DNORMSPEC_STREAMING_HINTS=1"]}.get(
-        form, [f"-DNORMSPEC_L2_POLICY={form[-1]}"])
+        form, [f"-D{macro.get(kind)}={form[-1]}"])
     src = tmp_path / "probe.cu"
     src.write_text(ROW_VECTOR_PROBE)
     ptx = tmp_path / "probe.ptx"
@@ -113,11 +123,11 @@ def test_row_vectors_are_plain_unless_asked(tmp_path, form):
     loads = re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text)
     stores = re.findall(r"\bst\.global[.:\w]*\.v4\.\w+", text)
     assert len(loads) == 1 and len(stores) == 1, (loads, stores)
-    for op in (loads[0], stores[0]):
+    for op, side in ((loads[0], "load"), (stores[0], "store")):
         assert (".cs." in op) == (form == "hints"), op
-        assert ("L2::cache_hint" in op) == form.startswith("policy"), op
-    if form.startswith("policy"):
-        level = {"1": "evict_first", "2": "evict_last", "3": "evict_normal"}[form[-1]]
+        assert ("L2::cache_hint" in op) == (kind in ("policy", side)), op
+    if kind in macro:
+        level = L2_LEVELS[form[-1]]
         assert re.search(rf"createpolicy\.fractional\.L2::{level}\.b64", text), text
         done = subprocess.run([*base, "-cubin", "-o", str(tmp_path / "probe.cubin")],
                               capture_output=True, text=True)

@@ -81,41 +81,54 @@ struct RawBits<__half> : RawBits16<__half> {};
 // streaming_hints_depth2.json). Plain also leaves a norm's output in L2 for the layer
 // that reads it next.
 //
-// NORMSPEC_L2_POLICY=1|2|3 (build-time, for the same A/B; not with the hints): the loads
-// and stores carry an L2 cache policy instead (createpolicy + ld/st.global.L2::cache_hint),
-// evict_first, evict_last or evict_normal for every line. A policy is a register operand,
-// so unlike the hints one kernel could take it per launch; this asks first which policy
-// helps which size (rms 4096 x 2048 was faster with the hints, the large shapes without).
+// NORMSPEC_L2_POLICY=1|2|3|4 (build-time, for the same A/B; not with the hints): the
+// loads and stores carry an L2 cache policy instead (createpolicy +
+// ld/st.global.L2::cache_hint): evict_first, evict_last, evict_normal, or evict_last
+// for half of the lines (fraction 0.5, the rest unchanged). NORMSPEC_L2_LOAD_POLICY and
+// NORMSPEC_L2_STORE_POLICY set the loads' and the stores' alone (0: plain), to tell
+// which side a policy helps. A policy is a register operand, so unlike the hints one
+// kernel could take it per launch. On the H200 (bench/results/sweeps/
+// l2_policy_forward.json) evict_last was 1-2 % faster on the large forwards and 5-9 %
+// on the small ones, but slower on rms 4096 x 2048 (14.5 -> 15.0 us), where evict_first
+// was faster (14.05), as the hints were.
 #ifndef NORMSPEC_STREAMING_HINTS
 #define NORMSPEC_STREAMING_HINTS 0
 #endif
 #ifndef NORMSPEC_L2_POLICY
 #define NORMSPEC_L2_POLICY 0
 #endif
-#if NORMSPEC_L2_POLICY && NORMSPEC_STREAMING_HINTS
+#ifndef NORMSPEC_L2_LOAD_POLICY
+#define NORMSPEC_L2_LOAD_POLICY NORMSPEC_L2_POLICY
+#endif
+#ifndef NORMSPEC_L2_STORE_POLICY
+#define NORMSPEC_L2_STORE_POLICY NORMSPEC_L2_POLICY
+#endif
+#if (NORMSPEC_L2_LOAD_POLICY || NORMSPEC_L2_STORE_POLICY) && NORMSPEC_STREAMING_HINTS
 #error "NORMSPEC_L2_POLICY and NORMSPEC_STREAMING_HINTS are alternatives"
 #endif
-#if NORMSPEC_L2_POLICY
+template <int LEVEL>
 __device__ __forceinline__ unsigned long long row_l2_policy() {
+  static_assert(LEVEL >= 1 && LEVEL <= 4, "NORMSPEC_L2_*POLICY: 0..4");
   unsigned long long pol;
-#if NORMSPEC_L2_POLICY == 1
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-#elif NORMSPEC_L2_POLICY == 2
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-#else
-  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-#endif
+  if constexpr (LEVEL == 1)
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  else if constexpr (LEVEL == 2)
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  else if constexpr (LEVEL == 3)
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+  else
+    asm("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, 0.5;"
+        : "=l"(pol));
   return pol;
 }
-#endif
 __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
 #if NORMSPEC_STREAMING_HINTS
   return __ldcs(p);
-#elif NORMSPEC_L2_POLICY
+#elif NORMSPEC_L2_LOAD_POLICY
   uint4 v;
   asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(row_l2_policy()));
+      : "l"(p), "l"(row_l2_policy<NORMSPEC_L2_LOAD_POLICY>()));
   return v;
 #else
   // plain ld.global (LDG.E.128), as triton's loads; a dereference would take the
@@ -130,10 +143,11 @@ __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
 __device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
 #if NORMSPEC_STREAMING_HINTS
   __stcs(p, v);
-#elif NORMSPEC_L2_POLICY
+#elif NORMSPEC_L2_STORE_POLICY
   asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
                :
-               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(row_l2_policy())
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w),
+                 "l"(row_l2_policy<NORMSPEC_L2_STORE_POLICY>())
                : "memory");
 #else
   *p = v;
