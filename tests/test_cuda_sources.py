@@ -97,22 +97,29 @@ L2_LEVELS = {"1": r"evict_first", "2": r"evict_last", "3": r"evict_normal",
              "4": r"evict_last\.L2::evict_unchanged"}
 
 
+#: A build's flags -> the L2 policy level of the row loads and of the row stores
+#: (None: plain; "cs": the evict-first hint).
+ROW_VECTOR_FORMS = {
+    "default": ([], "2", None),
+    "hints": (["-DNORMSPEC_STREAMING_HINTS=1"], "cs", "cs"),
+    "plain": (["-DNORMSPEC_L2_LOAD_POLICY=0"], None, None),
+    "policy0": (["-DNORMSPEC_L2_POLICY=0"], None, None),
+    **{f"policy{n}": ([f"-DNORMSPEC_L2_POLICY={n}"], n, n) for n in "1234"},
+    "store2": (["-DNORMSPEC_L2_STORE_POLICY=2"], "2", "2"),
+}
+
+
 @needs_nvcc
-@pytest.mark.parametrize("form", ["default", "hints", "policy1", "policy2", "policy3",
-                                  "policy4", "load2", "store2"])
-def test_row_vectors_are_plain_unless_asked(tmp_path, form):
-    """The rows' 16-byte loads and stores are plain ``ld.global`` / ``st.global`` (faster
-    than evict-first on the H200's large forwards: bench/results/sweeps/
-    streaming_hints_depth2.json). ``-DNORMSPEC_STREAMING_HINTS=1`` gives them the ``.cs``
-    (evict-first) qualifier; ``-DNORMSPEC_L2_POLICY=1|2|3|4`` an L2 cache policy operand
-    (evict_first / evict_last / evict_normal / evict_last for half the lines), and
-    ``NORMSPEC_L2_LOAD_POLICY`` / ``NORMSPEC_L2_STORE_POLICY`` to one side only; the
-    probe assembles for sm_90a."""
-    macro = {"policy": "NORMSPEC_L2_POLICY", "load": "NORMSPEC_L2_LOAD_POLICY",
-             "store": "NORMSPEC_L2_STORE_POLICY"}
-    kind = form.rstrip("0123456789")
-    flag = {"default": [], "hints": ["-DNORMSPEC_STREAMING_HINTS=1"]}.get(
-        form, [f"-D{macro.get(kind)}={form[-1]}"])
+@pytest.mark.parametrize("form", ROW_VECTOR_FORMS)
+def test_row_vector_cache_policies(tmp_path, form):
+    """The rows' 16-byte loads carry an L2 evict_last policy operand and the stores are
+    plain ``st.global`` by default (bench/results/sweeps/l2_policy_sides.json).
+    ``-DNORMSPEC_STREAMING_HINTS=1`` gives both the ``.cs`` (evict-first) qualifier;
+    ``-DNORMSPEC_L2_POLICY=0|1|2|3|4`` both plain or an L2 cache policy (evict_first /
+    evict_last / evict_normal / evict_last for half the lines), and
+    ``NORMSPEC_L2_LOAD_POLICY`` / ``NORMSPEC_L2_STORE_POLICY`` one side only; the probe
+    assembles for sm_90a."""
+    flag, load_level, store_level = ROW_VECTOR_FORMS[form]
     src = tmp_path / "probe.cu"
     src.write_text(ROW_VECTOR_PROBE)
     ptx = tmp_path / "probe.ptx"
@@ -123,16 +130,32 @@ def test_row_vectors_are_plain_unless_asked(tmp_path, form):
     loads = re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text)
     stores = re.findall(r"\bst\.global[.:\w]*\.v4\.\w+", text)
     assert len(loads) == 1 and len(stores) == 1, (loads, stores)
-    for op, side in ((loads[0], "load"), (stores[0], "store")):
-        assert (".cs." in op) == (form == "hints"), op
-        assert ("L2::cache_hint" in op) == (kind in ("policy", side)), op
-    if kind in macro:
-        level = L2_LEVELS[form[-1]]
-        assert re.search(rf"createpolicy\.fractional\.L2::{level}\.b64", text), text
+    for op, level in ((loads[0], load_level), (stores[0], store_level)):
+        assert (".cs." in op) == (level == "cs"), op
+        assert ("L2::cache_hint" in op) == (level not in (None, "cs")), op
+    levels = {lv for lv in (load_level, store_level) if lv not in (None, "cs")}
+    assert ("createpolicy" in text) == bool(levels), text
+    for level in levels:
+        assert re.search(rf"createpolicy\.fractional\.L2::{L2_LEVELS[level]}\.b64", text), text
+    if levels:
         done = subprocess.run([*base, "-cubin", "-o", str(tmp_path / "probe.cubin")],
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-6000:]
 
+
+@needs_nvcc
+def test_row_vectors_are_plain_before_sm80(tmp_path):
+    """Before sm_80 there is no ``createpolicy``: the default build's row loads are plain
+    ``ld.global`` there, and the probe still compiles."""
+    src = tmp_path / "probe.cu"
+    src.write_text(ROW_VECTOR_PROBE)
+    ptx = tmp_path / "probe.ptx"
+    done = subprocess.run([NVCC, "-arch=sm_75", "-std=c++17", "-O3", "-I", str(CSRC), str(src),
+                           "-ptx", "-o", str(ptx)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    text = ptx.read_text()
+    assert "createpolicy" not in text and "cache_hint" not in text, text
+    assert re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text) == ["ld.global.v4.u32"], text
 
 MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
 

@@ -71,8 +71,9 @@ struct RawBits<__nv_bfloat16> : RawBits16<__nv_bfloat16> {};
 template <>
 struct RawBits<__half> : RawBits16<__half> {};
 
-// The rows' 16-byte loads and stores are plain (LDG.E.128 / STG.E.128), as triton's
-// kernels have them. NORMSPEC_STREAMING_HINTS=1 (a build-time macro, for the A/B in
+// The rows' 16-byte stores are plain (STG.E.128), as triton's kernels have them; the loads
+// were plain (LDG.E.128) too until they took the L2 evict_last policy below.
+// NORMSPEC_STREAMING_HINTS=1 (a build-time macro, for the A/B in
 // bench/micro/row_forward_ab.cu) gives them the streaming (evict-first) hint instead,
 // __ldcs / __stcs: LDG.E.EF.128 / STG.E.EF.128, as before d9aea9e. On the H200 the
 // plain forms are 4-7 % faster on every large forward (q/k 524288 x 256 140.6 -> 132.5
@@ -94,11 +95,20 @@ struct RawBits<__half> : RawBits16<__half> {};
 #ifndef NORMSPEC_STREAMING_HINTS
 #define NORMSPEC_STREAMING_HINTS 0
 #endif
+// By default the loads carry evict_last and the stores are plain (LOAD_POLICY 2): that
+// was the fastest on every forward but the gated hf one (level) in
+// bench/results/sweeps/l2_policy_sides.json (rms 4096 x 2048 14.48 -> 13.17 us, q/k
+// 524288 x 256 132.38 -> 129.97, rms 65536 x 2048 131.62 -> 129.44), and level or faster
+// on the rms backward but for 0.1-0.2 us on 1 and 64 rows (l2_policy_backward.json).
+// Before sm_80 (no createpolicy) the loads are plain.
 #ifndef NORMSPEC_L2_POLICY
 #define NORMSPEC_L2_POLICY 0
+#define NORMSPEC_L2_LOAD_DEFAULT (NORMSPEC_STREAMING_HINTS ? 0 : 2)
+#else
+#define NORMSPEC_L2_LOAD_DEFAULT NORMSPEC_L2_POLICY
 #endif
 #ifndef NORMSPEC_L2_LOAD_POLICY
-#define NORMSPEC_L2_LOAD_POLICY NORMSPEC_L2_POLICY
+#define NORMSPEC_L2_LOAD_POLICY NORMSPEC_L2_LOAD_DEFAULT
 #endif
 #ifndef NORMSPEC_L2_STORE_POLICY
 #define NORMSPEC_L2_STORE_POLICY NORMSPEC_L2_POLICY
@@ -124,7 +134,7 @@ __device__ __forceinline__ unsigned long long row_l2_policy() {
 __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
 #if NORMSPEC_STREAMING_HINTS
   return __ldcs(p);
-#elif NORMSPEC_L2_LOAD_POLICY
+#elif NORMSPEC_L2_LOAD_POLICY && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
   uint4 v;
   asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -143,7 +153,7 @@ __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
 __device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
 #if NORMSPEC_STREAMING_HINTS
   __stcs(p, v);
-#elif NORMSPEC_L2_STORE_POLICY
+#elif NORMSPEC_L2_STORE_POLICY && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
   asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
                :
                : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w),
