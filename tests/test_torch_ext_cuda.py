@@ -505,7 +505,7 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows, cw, t.EPS,
                                                       params))
     if os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "0":
-        kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 2, 3>")
+        kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
     else:
         kernel = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1)>")
     assert any(kernel.search(n) for n in names), names

@@ -61,10 +61,16 @@ struct Timer {
   }
   template <typename F>
   float median_us(F launch, int reps = 40) {
+    return median_us_after([] {}, launch, reps);
+  }
+  // The same, with `before` run (untimed) after each flush and before `launch`.
+  template <typename B, typename F>
+  float median_us_after(B before, F launch, int reps = 40) {
     for (int i = 0; i < 5; ++i) launch();
     std::vector<float> t;
     for (int i = 0; i < reps; ++i) {
       CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+      before();
       CK(cudaEventRecord(e0));
       launch();
       CK(cudaEventRecord(e1));

@@ -30,9 +30,15 @@
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
+//
+// NORMSPEC_AB_FOLLOWER=1 (run time) adds, per case, "+read y": the norm and then a kernel
+// that reads its output y (as the next layer does), timed together, and "read y after":
+// that read alone, timed after an untimed norm. An L2 policy that keeps the norm's inputs
+// in L2 can leave less of y there for the reader; this shows what that costs.
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -46,6 +52,23 @@ using namespace normspec::launch_detail;
 // rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
 // gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
 // bench times them.
+// Reads nvec 16-byte vectors at p, plainly, and folds them into *sink (never written
+// unless the fold hits one value): the next layer's read of a norm's output.
+__global__ void read_output(const uint4* p, size_t nvec, unsigned* sink) {
+  unsigned acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < nvec;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+
+static bool follower_on() {
+  const char* s = std::getenv("NORMSPEC_AB_FOLLOWER");
+  return s != nullptr && std::strcmp(s, "1") == 0;
+}
+
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
                      Timer& timer, int flags = 0) {
@@ -80,6 +103,23 @@ static void run_case(const char* label, const char* name, long long rows, long l
   unsigned long long h = fnv(y, n * 2, 1469598103934665603ull);
   if (y2 != nullptr) h = fnv(y2, n * 2, h);
   std::printf("%-34s %-10s %8lld x %-5lld %9.2f us  %016llx\n", label, name, rows, H, us, h);
+  if (follower_on()) {
+    unsigned* sink;
+    CK(cudaMalloc(&sink, sizeof(unsigned)));
+    const auto read_y = [&] {
+      read_output<<<132 * 8, 256>>>(reinterpret_cast<const uint4*>(y), n * 2 / 16, sink);
+    };
+    const float both = timer.median_us([&] {
+      forward_t<OP, bf16>(a, nullptr);
+      read_y();
+    });
+    const float after = timer.median_us_after([&] { forward_t<OP, bf16>(a, nullptr); }, read_y);
+    std::printf("%-34s %-10s %8lld x %-5lld +read y %9.2f us  %016llx\n", label, name, rows, H,
+                both, h);
+    std::printf("%-34s %-10s %8lld x %-5lld read y after %9.2f us  %016llx\n", label, name,
+                rows, H, after, h);
+    CK(cudaFree(sink));
+  }
   CK(cudaFree(x));
   CK(cudaFree(y));
   CK(cudaFree(w));
