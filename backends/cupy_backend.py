@@ -14,12 +14,16 @@ the device's opt-in); other rows run the register and streaming kernels
 (``geometry``, ``backward_plan``). dweight's workspace rows are folded as in the
 extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are left, then one
 launch for the rest and the cast to the weight's dtype (``col_tree_last_launch``).
-Not launched from here: the persistent forward
-with the gate table and the backward forms that read the forward's rstd (this
-backend keeps no forward state). Every kernel gives the spec's bits.
+Large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
+from the extension's gate table in global memory (``gated_row_table_launch``): one
+CuPy array per device, filled on first use with the declared functions. Not launched
+from here: the persistent forward with a gate table per block and the backward forms
+that read the forward's rstd (this backend keeps no forward state). Every kernel gives
+the spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
 the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
-``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension. On an
+``NORMSPEC_GATE_TABLE=0`` evaluates every gate and ``NORMSPEC_GATED_ROW_TABLE=0``
+every gate of the forward, as in the torch extension. On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 Per call, the host side (200-400 us a forward, 800-1100 us a backward) now outweighs
@@ -98,6 +102,8 @@ __all__ = [
     "full_row_forms_enabled",
     "fused_add_rms_norm",
     "fused_add_rms_norm_backward",
+    "gated_row_table_enabled",
+    "gated_row_table_launch",
     "name_expressions",
     "persistent_grid",
     "pipe_backward_enabled",
@@ -415,6 +421,38 @@ def row_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_coun
     return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
 
 
+#: Team sizes (log2) of the one-row forward's forms that read act(z) from the global gate
+#: table (``forward_row_with_global_table``: two passes, rows of 64..1024 bf16).
+_GLOBAL_TABLE_TEAM_LOGS = range(2, 7)
+#: The kernel that fills the global gate table of one activation.
+FILL_GATE_TABLE_KERNEL = "normspec_fill_gate_table_kernel<__nv_bfloat16>"
+
+
+def gated_row_table_enabled() -> bool:
+    """``NORMSPEC_GATED_ROW_TABLE=0`` keeps large bf16 gated forwards off the global gate
+    table, as in the torch extension (read at each call)."""
+    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"
+
+
+def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int
+                           ) -> tuple[str, tuple[int, int, int], tuple[int, int, int], int] | None:
+    """``(kernel name expression, grid, block, team_log)`` of the one-row forward that reads
+    act(z) from the gate table in global memory (``GT``), for aligned bf16 gated launches
+    of at least 2**20 elements whose rows fill a two-pass team of 4..64 lanes
+    (``forward_row_with_global_table``); ``None`` elsewhere."""
+    if not (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
+            and gated_row_table_enabled() and full_row_forms_enabled()
+            and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS):
+        return None
+    vec = vec_of(dtype_code)
+    team_log, np_ = row_geometry(hidden, vec, True, rows, sm_count)
+    if np_ != 2 or hidden != (np_ * vec) << team_log or team_log not in _GLOBAL_TABLE_TEAM_LOGS:
+        return None
+    block = row_block(team_log, rows, sm_count)
+    name = f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true>"
+    return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
+
+
 def full_row_forms_enabled() -> bool:
     """Whether rows that fill the team run the constant-geometry forms
     (``NORMSPEC_FULL_ROW=0`` says no, as in the torch extension; read at each call)."""
@@ -470,6 +508,11 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         "normspec_col_tree_kernel",
         # the weight is fp32 or of the input dtype
         *dict.fromkeys(f"normspec_col_tree_last_kernel<{w}>" for w in ("float", t)),
+        # the global gate table and the forms that read it (large bf16 gated forwards)
+        *((FILL_GATE_TABLE_KERNEL,
+           *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true>"
+             for tl in _GLOBAL_TABLE_TEAM_LOGS))
+          if op == OP_GATED and dtype_code == DT_BF16 else ()),
     ]
 
 
@@ -537,6 +580,9 @@ _lock = threading.RLock()
 _modules: dict[tuple[int, int, int], tuple[Any, dict[str, str]]] = {}
 _functions: dict[tuple[int, int, int, str], Any] = {}
 _sm_counts: dict[int, int] = {}
+# the global gate table of each device (both activations) and which halves are filled
+_gate_tables: dict[int, Any] = {}
+_gate_tables_filled: set[tuple[int, bool]] = set()
 _smem_optins: dict[int, int] = {}
 _occupancy: dict[tuple, int] = {}
 _compile_error: str | None = None
@@ -713,6 +759,40 @@ def _kernel(dev: int, op: int, dt: int, name: str) -> Any:
         with _lock:
             fn = _functions[key] = module.get_function(mapping[name])
     return fn
+
+
+def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
+    """The address of the filled gate table of one activation on device ``dev`` (a CuPy
+    array kept for the process), or ``None`` while the current stream is being captured
+    before the first fill (the caller then evaluates every gate). The first call per
+    device and activation fills it on the current stream and waits for it."""
+    import numpy as np
+
+    if (dev, sig) in _gate_tables_filled:
+        return int(_gate_tables[dev].data.ptr) + (_GATE_TABLE_SLOTS * 4 if sig else 0)
+    stream = cp.cuda.get_current_stream()
+    if _capturing(cp, stream):  # no allocation, launch or wait inside a capture
+        return None
+    with _lock:
+        tab = _gate_tables.get(dev)
+        if tab is None:
+            tab = _gate_tables[dev] = cp.empty(2 * _GATE_TABLE_SLOTS, dtype=cp.float32)
+    ptr = int(tab.data.ptr) + (_GATE_TABLE_SLOTS * 4 if sig else 0)
+    _launch(_kernel(dev, OP_GATED, DT_BF16, FILL_GATE_TABLE_KERNEL),
+            (_GATE_TABLE_SLOTS // 256, 1, 1), (256, 1, 1), (np.uint64(ptr), np.int32(sig)))
+    stream.synchronize()
+    _gate_tables_filled.add((dev, sig))
+    return ptr
+
+
+def _capturing(cp: Any, stream: Any) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (when the runtime cannot
+    tell, as if it were: the caller then takes the path that needs no table)."""
+    try:
+        rt = cp.cuda.runtime
+        return rt.streamIsCapturing(stream.ptr) != rt.streamCaptureStatusNone
+    except Exception:
+        return True
 
 
 def _sm_count(cp: Any, dev: int) -> int:
@@ -1071,14 +1151,20 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)
         args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
-        row = (row_forward_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
-               if a.flags & F_ALIGNED and row_forward_enabled() else None)
+        aligned_row = a.flags & F_ALIGNED and row_forward_enabled()
+        table_row = (gated_row_table_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
+                     if aligned_row else None)
+        gtab = (_global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
+                if table_row is not None else None)
+        row = (table_row if gtab is not None else
+               row_forward_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
+               if aligned_row else None)
         if row is not None:
             name, grid, block, team_log = row
             # the one-row kernel also takes the team size (log2); rstd_out: not kept here;
-            # gtab: no global gate table (the torch extension's gated forward has one)
+            # gtab: the global gate table of the GT forms, else none
             _launch(_kernel(side.dev, op, dt, name), grid, block,
-                    (*args, np.int32(team_log), np.uint64(0), np.uint64(0)))
+                    (*args, np.int32(team_log), np.uint64(0), np.uint64(gtab or 0)))
         else:
             name, grid, block = forward_launch(op, dt, nrows, hidden)
             _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, np.uint64(0)))

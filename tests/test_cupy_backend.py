@@ -242,6 +242,77 @@ def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
         assert picked == []
 
 
+
+def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
+    """x (randn) and a gate holding every one of the 2**16 bf16 values, shuffled, as
+    rows_n x hidden bf16 rows (rows_n * hidden a multiple of 2**16)."""
+    gen = torch.Generator().manual_seed(5)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    reps = rows_n * hidden // every.numel()
+    gate = every[torch.randperm(every.numel(), generator=gen)].repeat(reps).view(rows_n, hidden)
+    return {"x": torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16), "gate": gate}
+
+
+GATED = [v for v in VARIANTS if v[0] == "rms_norm_gated"]
+
+
+@pytest.mark.parametrize("row_table", ["default", "0"])
+def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
+    """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
+    spec's bits through the large gated forward: by default the one-row forms that read
+    act(z) from the gate table in global memory (``gated_row_table_launch``), with
+    ``NORMSPEC_GATED_ROW_TABLE=0`` the one-row forward that evaluates every gate."""
+    if row_table == "0":
+        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
+    else:
+        monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    picked = record_calls(monkeypatch, "gated_row_table_launch")
+    rows = _every_bf16_gate(32768, 128)
+    w = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
+    crows = {k: v.cuda() for k, v in rows.items()}
+    for op, params in GATED:
+        want = spec_forward(op, rows, w, EPS, params)
+        got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
+        assert_bits(got, want[0], f"every gate {params}")
+    if row_table == "0":
+        assert picked == [None] * len(GATED)
+    else:
+        assert [p[0] for p in picked] == (
+            ["normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true>"] * len(GATED))
+        assert {k[1] for k in cb._gate_tables_filled} == {False, True}  # both activations
+
+
+def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
+    """A first large bf16 gated forward inside a CUDA graph capture (torch tensors, the
+    caller's capturing stream) fills no table there, which needs a launch and a wait: the
+    capture holds the one-row forward that evaluates every gate, and its replay gives the
+    spec's bits. The next call outside the capture fills the table and uses it."""
+    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    monkeypatch.setattr(cb, "_gate_tables", {})
+    monkeypatch.setattr(cb, "_gate_tables_filled", set())
+    picked = record_calls(monkeypatch, "row_forward_launch")
+    rows = _every_bf16_gate(32768, 128)
+    w = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 0.1 + 1.0
+    crows = {k: v.cuda() for k, v in rows.items()}
+    cw = w.cuda()
+    op, params = GATED[0]
+    want = spec_forward(op, rows, w, EPS, params)
+    # the kernel the capture will hold, loaded outside it (lazy module loading)
+    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
+    cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
+    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bits(out, want[0], f"graph {params}")
+    assert cb._gate_tables_filled == set() and len(picked) == 2
+    got = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
+    assert_bits(got, want[0], f"after the graph {params}")
+    assert len(cb._gate_tables_filled) == 1 and len(picked) == 2
+
 def test_pipelined_backward_occupancy():
     """The occupancy query the persistent grid depends on answers (a failure would fall
     back to one block per SM: the same bits, a slow launch)."""

@@ -192,20 +192,52 @@ def test_launch_shapes():
     for op in (0, 1, 2):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            # the last tree kernel for an fp32 weight and, but for fp32 rows, one of x's dtype
-            assert len(names) == len(set(names)) == (33 if dt == cb.DT_F32 else 34)
+            # the last tree kernel for an fp32 weight and, but for fp32 rows, one of x's
+            # dtype; bf16 gated: the global gate table's fill and its five row forms
+            table = 6 if (op, dt) == (cb.OP_GATED, cb.DT_BF16) else 0
+            assert len(names) == len(set(names)) == (33 if dt == cb.DT_F32 else 34) + table
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
                 for rows in (1, 64, 4096, 2**20):
                     row = cb.row_forward_launch(op, dt, rows, hidden, 132)
                     assert row is None or row[0] in names, (op, dt, rows, hidden)
+                    row = cb.gated_row_table_launch(op, dt, rows, hidden, 132)
+                    assert row is None or row[0] in names, (op, dt, rows, hidden)
                     bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
                     assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
-            for hidden in (128, 256, 1024, 2048, 4096):
+            for hidden in (64, 128, 256, 512, 1024, 2048, 4096):
                 for rows in (1, 4096, 2**21):
                     bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
                     assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
+                    row = cb.gated_row_table_launch(op, dt, rows, hidden, 132)
+                    assert row is None or row[0] in names, (op, dt, rows, hidden)
+
+
+@pytest.mark.parametrize("op,dt,rows,hidden,want", [
+    # the bench's GDN norm on an H200 (132 SMs): teams of 8 lanes, one-warp blocks
+    (cb.OP_GATED, cb.DT_BF16, 2**21, 128,
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true>", (2**19, 1, 1), (32, 1, 1), 3)),
+    (cb.OP_GATED, cb.DT_BF16, 8192, 1024,  # the largest form: teams of 64 lanes
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 6, true>", (8192, 1, 1), (64, 1, 1), 6)),
+    (cb.OP_GATED, cb.DT_BF16, 2**15, 64,  # the smallest: teams of 4 lanes
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true>", (512, 1, 1), (256, 1, 1), 2)),
+    (cb.OP_GATED, cb.DT_BF16, 2**14, 64, None),  # few rows: one pass of 8 lanes
+    (cb.OP_GATED, cb.DT_BF16, 4096, 128, None),  # 2**19 elements: no table
+    (cb.OP_GATED, cb.DT_BF16, 2**20, 2048, None),  # teams of 128 lanes: no such form
+    (cb.OP_GATED, cb.DT_BF16, 2**14, 100, None),  # rows that do not fill the team
+    (cb.OP_GATED, cb.DT_F16, 2**21, 128, None),  # the table holds bf16 gates
+    (cb.OP_RMS, cb.DT_BF16, 2**21, 128, None),
+])
+def test_gated_row_table_launch(op, dt, rows, hidden, want, monkeypatch):
+    for var in ("NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+        monkeypatch.delenv(var, raising=False)
+    assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) == want
+    if want is not None:  # each switch turns it off
+        for var in ("NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+            monkeypatch.setenv(var, "0")
+            assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) is None, var
+            monkeypatch.delenv(var)
 
 
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
@@ -553,7 +585,7 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     # 5 pointers, 6 long long, 2 float, int, rstd_out (the launcher packs a null pointer)
     fwd = "PKT0_S[0-9]_PKfPS[0-9]_S[0-9]_xxxxxxffiPf$"
     # the one-row forward: + the weight as void*, team_log, and after rstd_out the global
-    # gate table of the torch extension's experiment (the launcher packs a null pointer)
+    # gate table (a null pointer but for the GT forms of large bf16 gated forwards)
     row = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPfPKf$"
     bwd = "Pfxxxxxxxxffii$"  # ws, 8 long long, eps, offset, flags, glog
     # the pipelined backward: x, r, the weight as void*, dy, dres, dx, d2, ws, 8 long long,
@@ -562,6 +594,8 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     for name, low in mapping.items():
         if name.startswith("normspec_fwd_row"):
             assert re.search(row, low), (name, low)
+        elif name.startswith("normspec_fill_gate_table"):  # the table, the activation
+            assert re.search("^_Z31normspec_fill_gate_table_kernelI.*EvPfi$", low), low
         elif name.startswith("normspec_fwd"):
             assert re.search(fwd, low), (name, low)
         elif name.startswith("normspec_bwd_kernel"):
