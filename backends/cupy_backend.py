@@ -14,7 +14,8 @@ the device's opt-in); other rows run the register and streaming kernels
 (``geometry``, ``backward_plan``). dweight's workspace rows are folded as in the
 extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are left, then one
 launch for the rest and the cast to the weight's dtype (``col_tree_last_launch``).
-Large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
+With ``NORMSPEC_GATED_ROW_TABLE=1`` (off by default here until its GPU tests have
+run), large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
 from the extension's gate table in global memory (``gated_row_table_launch``): one
 CuPy array per device, filled on first use with the declared functions. Not launched
 from here: the persistent forward with a gate table per block and the backward forms
@@ -22,8 +23,7 @@ that read the forward's rstd (this backend keeps no forward state). Every kernel
 the spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
 the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
-``NORMSPEC_GATE_TABLE=0`` evaluates every gate and ``NORMSPEC_GATED_ROW_TABLE=0``
-every gate of the forward, as in the torch extension. On an
+``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension. On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 Per call, the host side (200-400 us a forward, 800-1100 us a backward) now outweighs
@@ -429,9 +429,10 @@ FILL_GATE_TABLE_KERNEL = "normspec_fill_gate_table_kernel<__nv_bfloat16>"
 
 
 def gated_row_table_enabled() -> bool:
-    """``NORMSPEC_GATED_ROW_TABLE=0`` keeps large bf16 gated forwards off the global gate
-    table, as in the torch extension (read at each call)."""
-    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"
+    """Whether large bf16 gated forwards may read the global gate table: here only with
+    ``NORMSPEC_GATED_ROW_TABLE=1`` (read at each call), until this backend's GPU tests of
+    it have run; the torch extension's is on unless ``=0``."""
+    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "1"
 
 
 def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int

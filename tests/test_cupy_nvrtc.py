@@ -230,11 +230,16 @@ def test_launch_shapes():
     (cb.OP_RMS, cb.DT_BF16, 2**21, 128, None),
 ])
 def test_gated_row_table_launch(op, dt, rows, hidden, want, monkeypatch):
-    for var in ("NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+    """The CuPy backend's global gate table is opt-in (``NORMSPEC_GATED_ROW_TABLE=1``)
+    for now; ``NORMSPEC_GATE_TABLE=0`` and ``NORMSPEC_FULL_ROW=0`` also turn it off."""
+    for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) is None
+    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
     assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) == want
     if want is not None:  # each switch turns it off
-        for var in ("NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+        for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
             monkeypatch.setenv(var, "0")
             assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) is None, var
             monkeypatch.delenv(var)
