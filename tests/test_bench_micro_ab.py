@@ -85,6 +85,7 @@ def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
     harness = tmp_path / "h.cu"
     harness.write_text("// fake\n")
     out = tmp_path / "ab.json"
+    monkeypatch.setenv("NORMSPEC_GIT_COMMIT", "abc1234")
     rc = ab.main([str(harness), "--build", "", "--build=-DFAST=1", "--env", "",
                   "--env", "X=2", "--out", str(out)])
     assert rc == 0
@@ -93,3 +94,4 @@ def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
     assert medians == {("v0", "rms 4096 x 2048"): 10.0, ("v1", "rms 4096 x 2048"): 8.0,
                        ("v2", "rms 4096 x 2048"): 9.0, ("v3", "rms 4096 x 2048"): 7.0}
     assert len(doc["rows"]) == 8 and doc["hashes_differ"] == []
+    assert doc["git"]["commit"] == "abc1234" and "device" in doc

@@ -183,6 +183,26 @@ def summarize(rows: list[dict], vs: list[Variant]) -> tuple[list[dict], list[str
     return summary, differ
 
 
+def git_state() -> dict:
+    """The commit the harness is built from (``normspec.report.git_state``: on a copy
+    of the tree without ``.git``, ``NORMSPEC_GIT_COMMIT``)."""
+    try:
+        from normspec.report import git_state as state
+    except ImportError:
+        return {"commit": os.environ.get("NORMSPEC_GIT_COMMIT")}
+    return state()
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name by ``nvidia-smi`` (``None`` where it cannot tell)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()[0].strip() if done.stdout.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("harness", type=Path, help="a bench/micro/*.cu that takes a label")
@@ -229,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "command": "python3 bench/micro/ab.py " + " ".join(
                 shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            "git": git_state(), "device": gpu_name(),
             "harness": str(args.harness), "rounds": args.rounds,
             "variants": [{"name": v.name, "build": v.build, "env": v.env} for v in vs],
             "hashes_differ": differ, "medians": summary, "rows": rows}, indent=1) + "\n")
