@@ -1152,14 +1152,14 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)
         args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
-        aligned_row = a.flags & F_ALIGNED and row_forward_enabled()
-        table_row = (gated_row_table_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
-                     if aligned_row else None)
-        gtab = (_global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
-                if table_row is not None else None)
-        row = (table_row if gtab is not None else
-               row_forward_launch(op, dt, nrows, hidden, _sm_count(cp, side.dev))
-               if aligned_row else None)
+        row, gtab = None, None
+        if a.flags & F_ALIGNED and row_forward_enabled():
+            sm_count = _sm_count(cp, side.dev)
+            row = gated_row_table_launch(op, dt, nrows, hidden, sm_count)
+            if row is not None:
+                gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
+            if gtab is None:
+                row = row_forward_launch(op, dt, nrows, hidden, sm_count)
         if row is not None:
             name, grid, block, team_log = row
             # the one-row kernel also takes the team size (log2); rstd_out: not kept here;

@@ -7,9 +7,11 @@ GPU behaviour is tested in tests/test_cupy_backend.py, on a GPU only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +158,116 @@ def test_torch_rows_enter_as_pointers():
         want = t.reshape(rows, hidden).view(torch.int16)
         assert torch.equal(seen, want), name
 
+
+
+class _CpuSide(cb._TorchSide):
+    """The torch side on CPU tensors, for the launch plumbing alone (nothing runs)."""
+
+    def __init__(self) -> None:
+        self.cp, self.dev, self.device = None, 0, torch.device("cpu")
+
+    @contextlib.contextmanager
+    def context(self):
+        yield
+
+
+@pytest.mark.parametrize("switch", ["1", "default"])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkeypatch):
+    """A large aligned bf16 gated forward launches the GT row form with the address of its
+    activation's half of the global table as the last argument (``gtab``); without the
+    switch, or while no table can be had (a capture), the evaluating row form with 0."""
+    if switch == "1":
+        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
+    else:
+        monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_PIPE", "NORMSPEC_FWD_ROW"):
+        monkeypatch.delenv(var, raising=False)
+    launches, asked = [], []
+    tables = {False: 0x100000, True: 0x100000 + 4 * 8192}
+    monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
+    monkeypatch.setattr(cb, "_sm_count", lambda cp, dev: 132)
+    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
+    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
+                        launches.append((fn, grid, block, args)))
+
+    def table(cp, dev, sig):
+        asked.append(sig)
+        return tables[sig]
+
+    monkeypatch.setattr(cb, "_global_gate_table", table)
+    x = torch.zeros(2**15, 64, dtype=torch.bfloat16)
+    params = {"convention": "vllm", "activation": activation}
+    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    ((name, grid, block, args),) = launches
+    assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
+    assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
+    if switch == "1":
+        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true>"
+        assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
+    else:
+        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>"
+        assert asked == [] and args[-1] == np.uint64(0)
+    # no table to be had (a capture before the first fill): the evaluating form
+    launches.clear()
+    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
+    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    assert [(n, a[-1]) for n, _, _, a in launches] == [
+        ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>", np.uint64(0))]
+
+
+class _FakeStream:
+    def __init__(self, capturing: bool) -> None:
+        self.ptr, self.capturing, self.waits = 7, capturing, 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+class _FakeCupy:
+    """What ``_global_gate_table`` asks of CuPy: the current stream, its capture status,
+    and ``empty``."""
+
+    def __init__(self, stream: _FakeStream) -> None:
+        self.float32 = "float32"
+        self.allocated = []
+        runtime = types.SimpleNamespace(
+            streamCaptureStatusNone=0,
+            streamIsCapturing=lambda ptr: 1 if stream.capturing else 0)
+        self.cuda = types.SimpleNamespace(get_current_stream=lambda: stream, runtime=runtime)
+
+    def empty(self, n, dtype):
+        self.allocated.append((n, dtype))
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x200000))
+
+
+def test_global_gate_table_is_filled_once_per_activation_and_never_in_a_capture(monkeypatch):
+    """The first ask per device and activation allocates the table (both halves), launches
+    the fill kernel on the current stream with that half's address and the activation,
+    and waits; later asks only return the address. While the stream is captured, before
+    the first fill, nothing is allocated, launched or waited for, and the answer is None."""
+    monkeypatch.setattr(cb, "_gate_tables", {})
+    monkeypatch.setattr(cb, "_gate_tables_filled", set())
+    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
+    launches = []
+    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
+                        launches.append((fn, grid, block, args)))
+    stream = _FakeStream(capturing=True)
+    fake = _FakeCupy(stream)
+    assert cb._global_gate_table(fake, 0, True) is None
+    assert fake.allocated == [] and launches == [] and stream.waits == 0
+    stream.capturing = False
+    half = 0x200000 + 4 * 8192
+    assert cb._global_gate_table(fake, 0, True) == half
+    assert fake.allocated == [(2 * 8192, "float32")] and stream.waits == 1
+    assert launches == [(cb.FILL_GATE_TABLE_KERNEL, (32, 1, 1), (256, 1, 1),
+                         (np.uint64(half), np.int32(1)))]
+    stream.capturing = True  # filled: a capture may use it
+    assert cb._global_gate_table(fake, 0, True) == half and len(launches) == 1
+    stream.capturing = False
+    assert cb._global_gate_table(fake, 0, False) == 0x200000  # the other half: one fill
+    assert len(fake.allocated) == 1 and len(launches) == 2 and stream.waits == 2
+    assert launches[1][3] == (np.uint64(0x200000), np.int32(0))
 
 def test_alignment_flag():
     a = cb._Args(x=4096, w=8192, y=16384, rows=3, H=8, sx=8, sy=8)
