@@ -769,8 +769,9 @@ def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
     device and activation fills it on the current stream and waits for it."""
     import numpy as np
 
+    half = _GATE_TABLE_SLOTS * 4 if sig else 0  # bytes: the sigmoid's table comes second
     if (dev, sig) in _gate_tables_filled:
-        return int(_gate_tables[dev].data.ptr) + (_GATE_TABLE_SLOTS * 4 if sig else 0)
+        return int(_gate_tables[dev].data.ptr) + half
     stream = cp.cuda.get_current_stream()
     if _capturing(cp, stream):  # no allocation, launch or wait inside a capture
         return None
@@ -778,7 +779,7 @@ def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
         tab = _gate_tables.get(dev)
         if tab is None:
             tab = _gate_tables[dev] = cp.empty(2 * _GATE_TABLE_SLOTS, dtype=cp.float32)
-    ptr = int(tab.data.ptr) + (_GATE_TABLE_SLOTS * 4 if sig else 0)
+    ptr = int(tab.data.ptr) + half
     _launch(_kernel(dev, OP_GATED, DT_BF16, FILL_GATE_TABLE_KERNEL),
             (_GATE_TABLE_SLOTS // 256, 1, 1), (256, 1, 1), (np.uint64(ptr), np.int32(sig)))
     stream.synchronize()
