@@ -560,10 +560,10 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
 // global memory (normspec_fwd_row_kernel's GT) instead of the persistent kernel with its
 // per-block table in shared memory: on the H200 2^21 x 128 took 372.1 us against 394.2
 // (vllm) and 378.1 against 399.4 (hf; bench/results/sweeps/gated_row_table.json).
-// NORMSPEC_GATED_ROW_TABLE=0 keeps the persistent kernel. The table (both activations) is a device variable of
-// this translation unit, filled once per process and device by a synchronous launch on
-// the caller's stream; while a stream is being captured into a CUDA graph it is not
-// filled, and such a launch keeps the persistent kernel.
+// NORMSPEC_GATED_ROW_TABLE=0 keeps the persistent kernel. The table (both activations)
+// is a device variable of this translation unit, filled once per process and device by
+// a synchronous launch on the caller's stream; while a stream is being captured into a
+// CUDA graph it is not filled, and such a launch keeps the persistent kernel.
 inline bool gated_row_table_enabled() {
   static const bool on = !switched_off("NORMSPEC_GATED_ROW_TABLE");
   return on;

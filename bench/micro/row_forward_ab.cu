@@ -49,9 +49,6 @@ using bf16 = __nv_bfloat16;
 using namespace normspec;
 using namespace normspec::launch_detail;
 
-// rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
-// gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
-// bench times them.
 // Reads nvec 16-byte vectors at p, plainly, and folds them into *sink (never written
 // unless the fold hits one value): the next layer's read of a norm's output.
 __global__ void read_output(const uint4* p, size_t nvec, unsigned* sink) {
@@ -69,6 +66,9 @@ static bool follower_on() {
   return s != nullptr && std::strcmp(s, "1") == 0;
 }
 
+// rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
+// gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
+// bench times them.
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
                      Timer& timer, int flags = 0) {
@@ -139,7 +139,8 @@ int main(int argc, char** argv) {
   run_case<OP_RMS>(label, "q/k rms", 4096, 256, timer);
   run_case<OP_FUSED>(label, "fused", 32768, 2048, timer);
   run_case<OP_FUSED>(label, "fused", 4096, 2048, timer);
-  // the GDN norm (the persistent gate-table kernel, not the one-row forward)
+  // the GDN norm: the one-row forward with the global gate table
+  // (NORMSPEC_GATED_ROW_TABLE=0: the persistent kernel with a table per block)
   run_case<OP_GATED>(label, "gated vllm", 2097152, 128, timer);
   run_case<OP_GATED>(label, "gated hf", 2097152, 128, timer, F_HF);
   return 0;
