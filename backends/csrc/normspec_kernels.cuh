@@ -74,6 +74,12 @@ struct DevIO<__nv_bfloat16> {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
   static __device__ __forceinline__ float rt(float v) { return from_bits(to_bits(v)); }
+  // lo and hi rounded to nearest as one packed word (lo in the low half): one
+  // cvt.rn.bf16x2.f32 from sm_80, the same bits as two to_bits
+  static __device__ __forceinline__ unsigned int to_bits2(float lo, float hi) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned int*>(&p);
+  }
 };
 
 template <>
@@ -85,6 +91,11 @@ struct DevIO<__half> {
     return __half_as_ushort(__float2half_rn(v));
   }
   static __device__ __forceinline__ float rt(float v) { return from_bits(to_bits(v)); }
+  // as DevIO<__nv_bfloat16>::to_bits2: one cvt.rn.f16x2.f32 from sm_80
+  static __device__ __forceinline__ unsigned int to_bits2(float lo, float hi) {
+    const __half2 p = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned int*>(&p);
+  }
 };
 
 // Elements per 16-byte vector.

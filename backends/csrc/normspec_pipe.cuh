@@ -38,6 +38,16 @@
 namespace normspec {
 
 // ---- raw 16-byte vectors --------------------------------------------------------
+// NORMSPEC_PACKED_CVT (build time, default 1): 16-bit rows are rounded two values per
+// instruction (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, F2FP...PACK_AB) where a kernel
+// rounds a whole vector: the stores, the fused op's rounded residual sum and the
+// transformers convention's roundings in the gated forward. Each half is rounded to
+// nearest as by the one-value cvt, so the bits are the same; the pairs halve the
+// conversions, which run at a fraction of the FP32 rate. =0 rounds one value per
+// instruction (the A/B in bench/micro/row_forward_ab.cu).
+#ifndef NORMSPEC_PACKED_CVT
+#define NORMSPEC_PACKED_CVT 1
+#endif
 template <typename T>
 struct RawBits;
 
@@ -61,6 +71,14 @@ struct RawBits16 {
     return DevIO<T>::from_bits((j & 1) ? (w >> 16) : (w & 0xffffu));
   }
   static __device__ __forceinline__ unsigned int put(float v) { return DevIO<T>::to_bits(v); }
+  // two values as one word, lo in the low half (round_pairs)
+  static __device__ __forceinline__ unsigned int put2(float lo, float hi) {
+#if NORMSPEC_PACKED_CVT
+    return DevIO<T>::to_bits2(lo, hi);
+#else
+    return put(lo) | (put(hi) << 16);
+#endif
+  }
   static __device__ __forceinline__ unsigned int elem(const T* p) {
     return *reinterpret_cast<const unsigned short*>(p);
   }
@@ -191,6 +209,20 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&v)[VecOf<T>::valu
   for (int j = 0; j < VecOf<T>::value; ++j) v[j] = RawBits<T>::get(u, j);
 }
 
+// Each of VEC fp32 values (VEC even) rounded to T and widened back (DevIO<T>::rt),
+// two values per conversion (NORMSPEC_PACKED_CVT).
+template <typename T, int VEC>
+__device__ __forceinline__ void round_pairs(float (&a)[VEC]) {
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const unsigned int w = RawBits<T>::put2(a[j], a[j + 1]);
+      a[j] = DevIO<T>::from_bits(w & 0xffffu);
+      a[j + 1] = DevIO<T>::from_bits(w >> 16);
+    }
+  }
+}
+
 // Round VEC fp32 values to T and store those below H.
 template <typename T>
 __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
@@ -201,8 +233,11 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
     unsigned int w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      w[k] = RawBits<T>::put(v[PER * k]);
-      if (PER == 2) w[k] |= RawBits<T>::put(v[PER * k + PER - 1]) << 16;
+      if constexpr (PER == 2) {
+        w[k] = RawBits<T>::put2(v[2 * k], v[2 * k + 1]);
+      } else {
+        w[k] = RawBits<T>::put(v[k]);
+      }
     }
     store_row_vector(reinterpret_cast<uint4*>(row + col), make_uint4(w[0], w[1], w[2], w[3]));
   } else {
@@ -299,10 +334,8 @@ __device__ __forceinline__ void norm_input_raw(const uint4& rx, const uint4& rr,
     float r[VecOf<T>::value];
     unpack<T>(rr, r);
 #pragma unroll
-    for (int j = 0; j < VecOf<T>::value; ++j) {
-      v[j] = add(v[j], r[j]);
-      if (flags & F_ROUNDED) v[j] = DevIO<T>::rt(v[j]);
-    }
+    for (int j = 0; j < VecOf<T>::value; ++j) v[j] = add(v[j], r[j]);
+    if (flags & F_ROUNDED) round_pairs<T>(v);
   }
 }
 
@@ -646,9 +679,16 @@ __device__ __forceinline__ void forward_of(const float (&v)[VecOf<T>::value], co
 #pragma unroll
       for (int j = 0; j < VEC; ++j) act[j] = act_fp32(z[j], sig);
     }
+    // gated_forward_act per element, with the transformers convention's roundings
+    // (DevIO<T>::rt in gated_weighted) taken two values at a time
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      out[j] = gated_forward_act<T>(mul(v[j], rstd), g[j], act[j], hf, w_in);
+    for (int j = 0; j < VEC; ++j) out[j] = mul(v[j], rstd);
+    if (hf) round_pairs<T>(out);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = mul(out[j], g[j]);
+    if (hf && w_in) round_pairs<T>(out);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = mul(out[j], act[j]);
   } else {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] = mul(mul(v[j], rstd), g[j]);

@@ -37,6 +37,7 @@
 // in L2 can leave less of y there for the reader; this shows what that costs.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -61,6 +62,26 @@ __global__ void read_output(const uint4* p, size_t nvec, unsigned* sink) {
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 
+// n bf16 values drawn as mean + scale * N(0, 1) (Box-Muller over an LCG seeded with
+// `seed`, rounded to nearest even): the bench's inputs (torch.randn rows, a weight near
+// one), whose gates spread over many more exponents (table slots) than fill_bf16's.
+static void fill_normal_bf16(bf16* d, size_t n, unsigned seed, float mean, float scale) {
+  std::vector<unsigned short> h(n);
+  unsigned s = seed;
+  const auto uniform = [&] {  // (0, 1]
+    s = s * 1664525u + 1013904223u;
+    return (static_cast<float>(s >> 8) + 1.0f) / 16777216.0f;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const float u1 = uniform(), u2 = uniform();
+    const float v = mean + scale * std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
+    unsigned b;
+    std::memcpy(&b, &v, 4);
+    h[i] = static_cast<unsigned short>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  }
+  CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+}
+
 static bool follower_on() {
   const char* s = std::getenv("NORMSPEC_AB_FOLLOWER");
   return s != nullptr && std::strcmp(s, "1") == 0;
@@ -68,20 +89,30 @@ static bool follower_on() {
 
 // rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
 // gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
-// bench times them.
+// bench times them. `normal`: the bench's values (fill_normal_bf16: rows N(0, 1), the
+// weight 1 + 0.1 N(0, 1)) instead of fill_bf16's.
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
-                     Timer& timer, int flags = 0) {
+                     Timer& timer, int flags = 0, bool normal = false) {
   const size_t n = static_cast<size_t>(rows) * H;
   bf16 *x, *r = nullptr, *y, *y2 = nullptr, *w;
   CK(cudaMalloc(&x, n * 2));
   CK(cudaMalloc(&y, n * 2));
   CK(cudaMalloc(&w, H * 2));
-  fill_bf16(x, n, 1);
-  fill_bf16(w, H, 5);
+  if (normal) {
+    fill_normal_bf16(x, n, 1, 0.0f, 1.0f);
+    fill_normal_bf16(w, H, 5, 1.0f, 0.1f);
+  } else {
+    fill_bf16(x, n, 1);
+    fill_bf16(w, H, 5);
+  }
   if (OP == OP_FUSED || OP == OP_GATED) {  // the residual, or the gate
     CK(cudaMalloc(&r, n * 2));
-    fill_bf16(r, n, 2);
+    if (normal) {
+      fill_normal_bf16(r, n, 2, 0.0f, 1.0f);
+    } else {
+      fill_bf16(r, n, 2);
+    }
   }
   if (OP == OP_FUSED) CK(cudaMalloc(&y2, n * 2));
   LaunchArgs a;
@@ -143,5 +174,7 @@ int main(int argc, char** argv) {
   // (NORMSPEC_GATED_ROW_TABLE=0: the persistent kernel with a table per block)
   run_case<OP_GATED>(label, "gated vllm", 2097152, 128, timer);
   run_case<OP_GATED>(label, "gated hf", 2097152, 128, timer, F_HF);
+  run_case<OP_GATED>(label, "gated vllm normal", 2097152, 128, timer, 0, true);
+  run_case<OP_GATED>(label, "gated hf normal", 2097152, 128, timer, F_HF, true);
   return 0;
 }
