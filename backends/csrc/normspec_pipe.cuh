@@ -40,11 +40,15 @@ namespace normspec {
 // ---- raw 16-byte vectors --------------------------------------------------------
 // NORMSPEC_PACKED_CVT (build time, default 1): 16-bit rows are rounded two values per
 // instruction (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, F2FP...PACK_AB) where a kernel
-// rounds a whole vector: the stores, the fused op's rounded residual sum and the
-// transformers convention's roundings in the gated forward. Each half is rounded to
-// nearest as by the one-value cvt, so the bits are the same; the pairs halve the
-// conversions, which run at a fraction of the FP32 rate. =0 rounds one value per
-// instruction (the A/B in bench/micro/row_forward_ab.cu).
+// rounds a whole vector: the stores, the fused op's rounded residual sum (and its
+// gradient), and the transformers convention's roundings in the gated forward and in
+// the gated backward's constant forms. Each half is rounded to nearest as by the
+// one-value cvt, so the bits are the same; the pairs halve the conversions, which run
+// at a fraction of the FP32 rate. =0 rounds one value per instruction (the A/B in
+// bench/micro/row_forward_ab.cu and small_backward_ab.cu). On the H200 the gated
+// forward's GT kernel went from 32 F2F + 8 F2FP to 24 F2FP, and 2^21 x 128 from 390.9
+// to 379.6 us (hf; 394.4 -> 382.3 on normal inputs) and 378.9 to 376.7 (vllm); rms
+// 32768 x 2048 68.5 -> 67.0; no case slower (bench/results/sweeps/packed_cvt.json).
 #ifndef NORMSPEC_PACKED_CVT
 #define NORMSPEC_PACKED_CVT 1
 #endif
@@ -657,6 +661,34 @@ __device__ __forceinline__ void act_grads_from_table(const float2* __restrict__ 
       [&](float g) { return act_grad_cold(g, sig); });
 }
 
+// gated_backward_act of VEC elements (xh: xhat, w: the weight factors, a: act(z) and
+// act'(z)): dgate, dxhat and the dweight contributions, with the transformers
+// convention's roundings taken two values per conversion (round_pairs).
+template <typename T, int VEC>
+__device__ __forceinline__ void gated_backward_vec(const float (&xh)[VEC], const float (&w)[VEC],
+                                                   const Act (&a)[VEC], const float (&dy)[VEC],
+                                                   bool hf, bool w_in, float (&dg)[VEC],
+                                                   float (&dxh)[VEC], float (&contrib)[VEC]) {
+  float t[VEC], u[VEC], du[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) t[k] = xh[k];
+  if (hf) round_pairs<T>(t);  // the xhat that meets the weight (xhat itself when vllm)
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) u[k] = mul(t[k], w[k]);
+  if (hf && w_in) round_pairs<T>(u);  // gated_weighted
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    dg[k] = mul(mul(dy[k], u[k]), a[k].da);
+    du[k] = mul(dy[k], a[k].a);
+  }
+  if (hf && w_in) round_pairs<T>(du);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) dxh[k] = mul(du[k], w[k]);
+  if (hf) round_pairs<T>(dxh);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) contrib[k] = mul(du[k], t[k]);
+}
+
 // One output vector from v, the values the norm reads (norm_input_raw of the raw x
 // and residual / gate vectors), the raw gate vector rr (the gated op), rstd and the
 // VEC weight factors g: y, and for the fused op the new residual. The gated op
@@ -1119,22 +1151,28 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           unpack<T>(cr[p], z);
           // GC: the vector's lookups at once; otherwise one element at a time (the
           // runtime form would hold the vector's pairs in more registers)
-          Act acts[VEC];
-          if constexpr (GCONST) act_grads_from_table<VEC>(tab, z, sig, acts);
+          if constexpr (GCONST) {
+            // the vector at once, the convention's roundings two values per conversion
+            Act acts[VEC];
+            act_grads_from_table<VEC>(tab, z, sig, acts);
+            float xh[VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float xhat = mul(v[k], rstd);
-            Act act;
-            if constexpr (GCONST) {
-              act = acts[k];
-            } else {
-              act = table ? act_grad_from_table(tab, z[k], sig) : act_and_grad_fp32(z[k], sig);
+            for (int k = 0; k < VEC; ++k) xh[k] = mul(v[k], rstd);
+            gated_backward_vec<T, VEC>(xh, g, acts, dyv, hf, w_in, dg, dxh[p], c);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) prod[k] = mul(dxh[p][k], xh[k]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const float xhat = mul(v[k], rstd);
+              const Act act =
+                  table ? act_grad_from_table(tab, z[k], sig) : act_and_grad_fp32(z[k], sig);
+              const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
+              dg[k] = gg.dg;
+              dxh[p][k] = gg.dxh;
+              c[k] = gg.contrib;
+              prod[k] = mul(dxh[p][k], xhat);
             }
-            const GatedGrad gg = gated_backward_act<T>(xhat, g[k], act, dyv[k], hf, w_in);
-            dg[k] = gg.dg;
-            dxh[p][k] = gg.dxh;
-            c[k] = gg.contrib;
-            prod[k] = mul(dxh[p][k], xhat);
           }
           if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
         } else {
@@ -1195,12 +1233,9 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
             if constexpr (DRES) {
               float dr[VEC];
               unpack<T>(cdr[p], dr);
+              if (flags & F_ROUNDED) round_pairs<T>(out);  // the rounded sum's gradient
 #pragma unroll
-              for (int k = 0; k < VEC; ++k) {
-                float dsn = out[k];
-                if (flags & F_ROUNDED) dsn = DevIO<T>::rt(dsn);
-                out[k] = add(dsn, dr[k]);
-              }
+              for (int k = 0; k < VEC; ++k) out[k] = add(out[k], dr[k]);
               if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * sd2, col, Hc, out);
             }
             store_row<T>(dx + row * sdx, col, Hc, out);

@@ -25,8 +25,14 @@
 //   NORMSPEC_STREAMING_HINTS=1: the rows' 16-byte loads and stores with the
 //     evict-first hint (normspec_pipe.cuh; the shipped kernels' until d9aea9e), in
 //     every kernel, the gated one included.
+//   NORMSPEC_PACKED_CVT=0: 16-bit values rounded one per conversion instead of two
+//     (normspec_pipe.cuh).
 // The gated cases also follow the launcher's run-time switches (NORMSPEC_GATE_TABLE,
 // NORMSPEC_FULL_ROW, ...).
+//
+// The "normal" gated cases take the bench's inputs (torch.randn rows, a weight near one)
+// instead of the other cases' values of magnitude 0.25..4: their gates spread over more
+// of the table's slots.
 //
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.

@@ -18,6 +18,8 @@
 // where the tree has them, the build-time ones of the backward kernel (compile with
 // -DNORMSPEC_BWD_FILL_BATCHED=0 or -DNORMSPEC_RMS_BWD_UNCAPPED=0 for the old forms).
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
+// NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
+// bench's shape; its hash covers y and dgate too).
 // Build with the extension's CUDA sources and run:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
@@ -29,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "micro_util.cuh"
@@ -54,19 +57,19 @@ static void floor_case(const char* label, const char* name, size_t smem, int car
   std::printf("%-12s %-28s %6zu B smem %9.2f us\n", label, name, smem, us);
 }
 
-// The torch extension's backward() (normspec_cuda.cpp) for OP_RMS, bf16 weight, saved rstd.
-static void backward(LaunchArgs a, bf16* dweight, float* ws, float* ws2) {
+// The torch extension's backward() (normspec_cuda.cpp) for `op`, bf16 weight, saved rstd.
+static void backward(int op, LaunchArgs a, bf16* dweight, float* ws, float* ws2) {
   const int sms = current_device_sms();
   const BackwardPlan plan = backward_plan_for(DT_BF16, a, sms);
   if (writes_dweight_final(DT_BF16, DT_BF16, plan)) {
     a.flags |= F_DW_FINAL;
-    CK(launch_backward(OP_RMS, DT_BF16, a, reinterpret_cast<float*>(dweight), plan, nullptr));
+    CK(launch_backward(op, DT_BF16, a, reinterpret_cast<float*>(dweight), plan, nullptr));
     return;
   }
   long long G = plan.groups;
   const long long last_max = col_tree_last_rows();
   if (chained_launches(nullptr)) a.flags |= F_LET_DEPENDENTS;
-  CK(launch_backward(OP_RMS, DT_BF16, a, ws, plan, nullptr));
+  CK(launch_backward(op, DT_BF16, a, ws, plan, nullptr));
   float* in = ws;
   float* out = ws2;
   while (G > (last_max > 0 ? last_max : 1)) {
@@ -79,39 +82,55 @@ static void backward(LaunchArgs a, bf16* dweight, float* ws, float* ws2) {
   CK(launch_col_tree_last(in, dweight, DT_BF16, G, a.H, nullptr));
 }
 
-static void norm_case(const char* label, long long rows, long long H, Timer& timer) {
+// OP_RMS (the zero-centred norm) or OP_GATED (silu; `flags` may add F_HF), as the
+// bench times them.
+// NORMSPEC_AB_GATED=1 (run time): also the GDN norm's 2^21 x 128, both conventions
+// (fwd and bwd; the bwd includes dgate).
+static bool gated_cases_on() {
+  const char* s = std::getenv("NORMSPEC_AB_GATED");
+  return s != nullptr && s[0] == '1' && s[1] == '\0';
+}
+
+static void norm_case(const char* label, const char* name, int op, long long rows, long long H,
+                      Timer& timer, int flags = 0) {
   const size_t n = static_cast<size_t>(rows) * H;
+  const bool gated = op == OP_GATED;
   bf16 *x = new_bf16(n, 1), *dy = new_bf16(n, 2), *w = new_bf16(H, 5);
   bf16 *y = new_bf16(n), *dx = new_bf16(n), *dw = new_bf16(H);
+  bf16 *gate = gated ? new_bf16(n, 3) : nullptr, *dgate = gated ? new_bf16(n) : nullptr;
   float *rstd, *ws, *ws2;
   CK(cudaMalloc(&rstd, rows * 4));
   CK(cudaMalloc(&ws, n * 4));  // at most one workspace row per input row
   CK(cudaMalloc(&ws2, n * 4));
   LaunchArgs a;
   a.x = x;
+  a.r = gate;
   a.w_in_dtype = w;
   a.rows = rows;
   a.H = H;
-  a.sx = a.sy = a.sdy = H;
+  a.sx = a.sr = a.sy = a.sy2 = a.sdy = H;
   a.eps = 1e-6f;
-  a.offset = 1.0f;
-  a.flags = F_OFFSET | F_W_IS_INPUT;
+  a.offset = gated ? 0.0f : 1.0f;
+  a.flags = (gated ? 0 : F_OFFSET) | F_W_IS_INPUT | flags;
   LaunchArgs f = a;
   f.y = y;
   f.rstd_out = rstd;
-  const float fwd_us = timer.median_us([&] { CK(launch_forward(OP_RMS, DT_BF16, f, nullptr)); });
+  const float fwd_us = timer.median_us([&] { CK(launch_forward(op, DT_BF16, f, nullptr)); });
   LaunchArgs b = a;
   b.dy = dy;
   b.y = dx;
+  b.y2 = dgate;
   b.rstd_in = rstd;
-  const float bwd_us = timer.median_us([&] { backward(b, dw, ws, ws2); });
+  const float bwd_us = timer.median_us([&] { backward(op, b, dw, ws, ws2); });
   CK(cudaDeviceSynchronize());
-  const unsigned long long h = fnv(dw, H * 2, fnv(dx, n * 2, 1469598103934665603ull));
-  std::printf("%-12s norm %6lld x %-5lld fwd %7.2f us  bwd %7.2f us  %016llx\n", label, rows,
-              H, fwd_us, bwd_us, h);
+  unsigned long long h = fnv(dw, H * 2, fnv(dx, n * 2, 1469598103934665603ull));
+  if (gated) h = fnv(dgate, n * 2, fnv(y, n * 2, h));
+  std::printf("%-12s %s %6lld x %-5lld fwd %7.2f us  bwd %7.2f us  %016llx\n", label, name,
+              rows, H, fwd_us, bwd_us, h);
   for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(y),
                   static_cast<void*>(dx), static_cast<void*>(w), static_cast<void*>(dw),
-                  static_cast<void*>(rstd), static_cast<void*>(ws), static_cast<void*>(ws2)})
+                  static_cast<void*>(rstd), static_cast<void*>(ws), static_cast<void*>(ws2),
+                  static_cast<void*>(gate), static_cast<void*>(dgate)})
     CK(cudaFree(p));
 }
 
@@ -122,9 +141,13 @@ int main(int argc, char** argv) {
     floor_case(label, "floor", smem, -1, timer);
   floor_case(label, "floor carveout 0", 8704, 0, timer);
   floor_case(label, "floor carveout 100", 8704, 100, timer);
-  norm_case(label, 1, 2048, timer);
-  norm_case(label, 64, 2048, timer);
-  norm_case(label, 4096, 2048, timer);
-  norm_case(label, 32768, 2048, timer);
+  norm_case(label, "norm", OP_RMS, 1, 2048, timer);
+  norm_case(label, "norm", OP_RMS, 64, 2048, timer);
+  norm_case(label, "norm", OP_RMS, 4096, 2048, timer);
+  norm_case(label, "norm", OP_RMS, 32768, 2048, timer);
+  if (gated_cases_on()) {
+    norm_case(label, "gated vllm", OP_GATED, 2097152, 128, timer);
+    norm_case(label, "gated hf", OP_GATED, 2097152, 128, timer, F_HF);
+  }
   return 0;
 }
