@@ -65,25 +65,33 @@ def test_main_names_the_missing_harness(capsys):
     assert "no_such_harness.cu" in capsys.readouterr().err
 
 
-def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
-    """With nvcc replaced by a script that writes a shell 'harness', the whole loop runs:
-    two builds, two settings, two rounds, the medians and the JSON."""
+def _fake_nvcc(tmp_path: Path, monkeypatch, script: str) -> Path:
+    """A shell script as ``$CUDA_HOME/bin/nvcc`` (skips without ``sh``); returns a
+    harness source to pass it."""
     if shutil.which("sh") is None:
         pytest.skip("needs sh")
     fake = tmp_path / "bin"
     fake.mkdir()
     nvcc = fake / "nvcc"
-    # the fake compiler writes an executable that prints one line per case; the time
-    # depends on the -D flag and the X variable, the hash on nothing
-    nvcc.write_text('#!/bin/sh\nout=""; d=0\nwhile [ $# -gt 0 ]; do case "$1" in -o) out=$2; '
-                    'shift;; -DFAST=1) d=1;; esac; shift; done\n'
-                    'printf \'#!/bin/sh\\nt=$((10 - %s - ${X:-0}))\\n'
-                    'echo "$1 rms 4096 x 2048 $t.00 us 00000000000000aa"\\n\' "$d" > "$out"\n'
-                    'chmod +x "$out"\n')
+    nvcc.write_text("#!/bin/sh\n" + script)
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     harness = tmp_path / "h.cu"
     harness.write_text("// fake\n")
+    return harness
+
+
+def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
+    """With nvcc replaced by a script that writes a shell 'harness', the whole loop runs:
+    two builds, two settings, two rounds, the medians and the JSON."""
+    # the fake compiler writes an executable that prints one line per case; the time
+    # depends on the -D flag and the X variable, the hash on nothing
+    harness = _fake_nvcc(tmp_path, monkeypatch,
+                         'out=""; d=0\nwhile [ $# -gt 0 ]; do case "$1" in -o) out=$2; '
+                         'shift;; -DFAST=1) d=1;; esac; shift; done\n'
+                         'printf \'#!/bin/sh\\nt=$((10 - %s - ${X:-0}))\\n'
+                         'echo "$1 rms 4096 x 2048 $t.00 us 00000000000000aa"\\n\' "$d" '
+                         '> "$out"\nchmod +x "$out"\n')
     out = tmp_path / "ab.json"
     monkeypatch.setenv("NORMSPEC_GIT_COMMIT", "abc1234")
     rc = ab.main([str(harness), "--build", "", "--build=-DFAST=1", "--env", "",
@@ -95,3 +103,29 @@ def test_main_runs_fake_harness_builds(tmp_path, monkeypatch):
                        ("v2", "rms 4096 x 2048"): 9.0, ("v3", "rms 4096 x 2048"): 7.0}
     assert len(doc["rows"]) == 8 and doc["hashes_differ"] == []
     assert doc["git"]["commit"] == "abc1234" and "device" in doc
+
+
+def test_launch_unit_builds_compile_every_source_apart_then_link(tmp_path, monkeypatch):
+    """``--launch-units``: each variant's harness and launcher units are compiled to
+    objects by separate nvcc processes (all at once), with the variant's flags, and then
+    linked into one binary per variant."""
+    log = tmp_path / "calls"
+    harness = _fake_nvcc(tmp_path, monkeypatch,
+                         f'echo "$*" >> {log}\nout=""\n'
+                         'while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+                         ': > "$out"\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    binaries = ab.build_all(harness, ["", "-DFAST=1"], True, work, ab.Console(quiet=True))
+    assert binaries == {"": work / "build0", "-DFAST=1": work / "build1"}
+    calls = log.read_text().splitlines()
+    compiles = [c for c in calls if " -c " in c]
+    links = [c for c in calls if " -c " not in c]
+    assert len(compiles) == 2 * (1 + len(ab.LAUNCH_UNITS)) and len(links) == 2
+    for unit in [str(harness), *(str(ab.CSRC / u) for u in ab.LAUNCH_UNITS)]:
+        fast = [c for c in compiles if unit in c.split()]
+        assert len(fast) == 2 and sum("-DFAST=1" in c.split() for c in fast) == 1
+    for i, link in enumerate(sorted(links, key=lambda c: c.split()[-1])):
+        objs = [a for a in link.split() if a.endswith(".o")]
+        assert link.split()[-1] == str(work / f"build{i}")
+        assert objs == [str(work / f"build{i}_{k}.o") for k in range(1 + len(ab.LAUNCH_UNITS))]

@@ -123,22 +123,48 @@ def find_nvcc() -> str:
 
 def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Path,
               console: Console) -> dict[str, Path]:
-    """One binary per flag set, compiled in parallel; raises with nvcc's output on failure."""
+    """One binary per flag set, compiled in parallel; raises with nvcc's output on failure.
+
+    With ``launch_units`` every source of every variant is compiled to an object at
+    once (nvcc compiles the files of one command one after another; the bf16 unit alone
+    takes minutes), then each variant's objects are linked."""
     nvcc = find_nvcc()
-    extra = [str(CSRC / u) for u in LAUNCH_UNITS] if launch_units else []
-    procs = {}
-    for i, flags in enumerate(builds):
-        exe = workdir / f"build{i}"
-        cmd = [nvcc, *NVCC_FLAGS, f"-I{CSRC}", *shlex.split(flags), str(harness), *extra,
-               "-o", str(exe)]
-        procs[flags] = (exe, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True))
+    sources = [harness, *(CSRC / u for u in LAUNCH_UNITS)] if launch_units else [harness]
+
+    def start(cmd: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def finish(proc: subprocess.Popen, flags: str) -> None:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for build flags {flags!r}:\n{out[-4000:]}")
+
     binaries = {}
     with console.status(f"building {len(builds)} variant(s) of {harness.name} ..."):
-        for flags, (exe, proc) in procs.items():
-            out, _ = proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"nvcc failed for build flags {flags!r}:\n{out[-4000:]}")
+        if not launch_units:
+            procs = {}
+            for i, flags in enumerate(builds):
+                exe = workdir / f"build{i}"
+                procs[flags] = (exe, start([nvcc, *NVCC_FLAGS, f"-I{CSRC}", *shlex.split(flags),
+                                            str(harness), "-o", str(exe)]))
+            for flags, (exe, proc) in procs.items():
+                finish(proc, flags)
+                binaries[flags] = exe
+                console.log(f"built {flags or '(no flags)'}")
+            return binaries
+        compiles = {}
+        for i, flags in enumerate(builds):
+            objs = [workdir / f"build{i}_{k}.o" for k in range(len(sources))]
+            compiles[flags] = (i, objs, [
+                start([nvcc, *NVCC_FLAGS, f"-I{CSRC}", *shlex.split(flags), "-c", str(src),
+                       "-o", str(obj)]) for src, obj in zip(sources, objs, strict=True)])
+        for flags, (i, objs, procs) in compiles.items():
+            for proc in procs:
+                finish(proc, flags)
+            exe = workdir / f"build{i}"
+            link = start([nvcc, "-arch=sm_90a", *map(str, objs), "-o", str(exe)])
+            finish(link, flags)
             binaries[flags] = exe
             console.log(f"built {flags or '(no flags)'}")
     return binaries
