@@ -14,10 +14,12 @@ the device's opt-in); other rows run the register and streaming kernels
 (``geometry``, ``backward_plan``). dweight's workspace rows are folded as in the
 extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are left, then one
 launch for the rest and the cast to the weight's dtype (``col_tree_last_launch``).
-With ``NORMSPEC_GATED_ROW_TABLE=1`` (off by default here until its GPU tests have
-run), large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
+Large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
 from the extension's gate table in global memory (``gated_row_table_launch``): one
-CuPy array per device, filled on first use with the declared functions. Not launched
+CuPy array per device, filled on first use with the declared functions (not while the
+stream is captured into a CUDA graph); ``NORMSPEC_GATED_ROW_TABLE=0`` evaluates every
+gate instead. On an H200 that took 2**21 x 128 from 609 to 378 us (vllm) and from 640
+to 389 us (hf; bench/results/sweeps/cupy_gated_row_table.json). Not launched
 from here: the persistent forward with a gate table per block and the backward forms
 that read the forward's rstd (this backend keeps no forward state). Every kernel gives
 the spec's bits.
@@ -429,10 +431,9 @@ FILL_GATE_TABLE_KERNEL = "normspec_fill_gate_table_kernel<__nv_bfloat16>"
 
 
 def gated_row_table_enabled() -> bool:
-    """Whether large bf16 gated forwards may read the global gate table: here only with
-    ``NORMSPEC_GATED_ROW_TABLE=1`` (read at each call), until this backend's GPU tests of
-    it have run; the torch extension's is on unless ``=0``."""
-    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "1"
+    """Whether large bf16 gated forwards may read the global gate table: unless
+    ``NORMSPEC_GATED_ROW_TABLE=0`` (read at each call), as in the torch extension."""
+    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"
 
 
 def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int

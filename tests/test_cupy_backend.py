@@ -256,15 +256,14 @@ def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
 GATED = [v for v in VARIANTS if v[0] == "rms_norm_gated"]
 
 
-@pytest.mark.parametrize("row_table", ["1", "default"])
+@pytest.mark.parametrize("row_table", ["default", "0"])
 def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
-    spec's bits through the large gated forward: with ``NORMSPEC_GATED_ROW_TABLE=1`` the
-    one-row forms that read act(z) from the gate table in global memory
-    (``gated_row_table_launch``), by default (for now) the one-row forward that evaluates
-    every gate."""
-    if row_table == "1":
-        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
+    spec's bits through the large gated forward: by default the one-row forms that read
+    act(z) from the gate table in global memory (``gated_row_table_launch``), with
+    ``NORMSPEC_GATED_ROW_TABLE=0`` the one-row forward that evaluates every gate."""
+    if row_table == "0":
+        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
     else:
         monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     picked = record_calls(monkeypatch, "gated_row_table_launch")
@@ -275,7 +274,7 @@ def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
         want = spec_forward(op, rows, w, EPS, params)
         got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
         assert_bits(got, want[0], f"every gate {params}")
-    if row_table == "default":
+    if row_table == "0":
         assert picked == [None] * len(GATED)
     else:
         assert [p[0] for p in picked] == (
@@ -288,7 +287,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     caller's capturing stream) fills no table there, which needs a launch and a wait: the
     capture holds the one-row forward that evaluates every gate, and its replay gives the
     spec's bits. The next call outside the capture fills the table and uses it."""
-    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
+    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     monkeypatch.setattr(cb, "_gate_tables", {})
     monkeypatch.setattr(cb, "_gate_tables_filled", set())
     picked = record_calls(monkeypatch, "row_forward_launch")
@@ -299,9 +298,9 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     op, params = GATED[0]
     want = spec_forward(op, rows, w, EPS, params)
     # the kernel the capture will hold, loaded outside it (lazy module loading)
-    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE")
+    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
     cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
-    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
+    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

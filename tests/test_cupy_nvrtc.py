@@ -171,14 +171,14 @@ class _CpuSide(cb._TorchSide):
         yield
 
 
-@pytest.mark.parametrize("switch", ["1", "default"])
+@pytest.mark.parametrize("switch", ["default", "0"])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkeypatch):
     """A large aligned bf16 gated forward launches the GT row form with the address of its
     activation's half of the global table as the last argument (``gtab``); without the
     switch, or while no table can be had (a capture), the evaluating row form with 0."""
-    if switch == "1":
-        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
+    if switch == "0":
+        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
     else:
         monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_PIPE", "NORMSPEC_FWD_ROW"):
@@ -202,7 +202,7 @@ def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkey
     ((name, grid, block, args),) = launches
     assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
     assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
-    if switch == "1":
+    if switch == "default":
         assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true>"
         assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
     else:
@@ -342,16 +342,13 @@ def test_launch_shapes():
     (cb.OP_RMS, cb.DT_BF16, 2**21, 128, None),
 ])
 def test_gated_row_table_launch(op, dt, rows, hidden, want, monkeypatch):
-    """The CuPy backend's global gate table is opt-in (``NORMSPEC_GATED_ROW_TABLE=1``)
-    for now; ``NORMSPEC_GATE_TABLE=0`` and ``NORMSPEC_FULL_ROW=0`` also turn it off."""
-    for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+    """The CuPy backend's global gate table is on by default; ``NORMSPEC_GATED_ROW_TABLE=0``,
+    ``NORMSPEC_GATE_TABLE=0`` and ``NORMSPEC_FULL_ROW=0`` each turn it off."""
+    for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_GATED_ROW_TABLE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
-    assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) is None
-    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "1")
     assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) == want
     if want is not None:  # each switch turns it off
-        for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW"):
+        for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_GATED_ROW_TABLE"):
             monkeypatch.setenv(var, "0")
             assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) is None, var
             monkeypatch.delenv(var)

@@ -46,8 +46,7 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_GATED_ROW_TABLE=0``: large bf16 gated forwards of 64..1024-element rows
   run the persistent kernel with a gate table per block in shared memory, instead of
   one row per team reading act(z) from a gate table in global memory that is filled
-  once per process and device (the CuPy backend reads the table only with ``=1``, for
-  now);
+  once per process and device (the CuPy backend evaluates every gate instead);
 * ``NORMSPEC_TREE_LAST=0``: dweight's workspace tree folded by levels of 16 rows down
   to one row and then cast, instead of a last launch that folds up to 256 rows and
   casts (the torch extension only);
