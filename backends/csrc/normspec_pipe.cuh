@@ -879,8 +879,16 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // persistent kernel's table lives in shared memory and is filled by every block, which
 // is what makes that kernel persistent; a global table lets the gated forward run one
 // row per team like the other ops (the bits are the declared functions' either way).
+// NORMSPEC_GT_MIN_BLOCKS (build time, default 1; the A/B in bench/micro/row_forward_ab.cu):
+// the GT forms' register budget as resident 256-thread blocks per SM (4: 64 registers,
+// 5: 51). ncu at 1ea328e: the GT form of 128-element rows takes 66 registers, which
+// allows 28 resident warps (43.75 %), and runs one-warp blocks (row_block), at most 32
+// per SM.
+#ifndef NORMSPEC_GT_MIN_BLOCKS
+#define NORMSPEC_GT_MIN_BLOCKS 1
+#endif
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, GT ? NORMSPEC_GT_MIN_BLOCKS : 1)
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,

@@ -37,6 +37,8 @@
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
 //
+// NORMSPEC_AB_ONLY=<text> (run time) runs only the cases whose name contains the text.
+//
 // NORMSPEC_AB_FOLLOWER=1 (run time) adds, per case, "+read y": the norm and then a kernel
 // that reads its output y (as the next layer does), timed together, and "read y after":
 // that read alone, timed after an untimed norm. An L2 policy that keeps the norm's inputs
@@ -47,6 +49,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "micro_util.cuh"
@@ -100,6 +103,8 @@ static bool follower_on() {
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
                      Timer& timer, int flags = 0, bool normal = false) {
+  const char* only = std::getenv("NORMSPEC_AB_ONLY");  // run time: cases whose name has it
+  if (only != nullptr && std::string(name).find(only) == std::string::npos) return;
   const size_t n = static_cast<size_t>(rows) * H;
   bf16 *x, *r = nullptr, *y, *y2 = nullptr, *w;
   CK(cudaMalloc(&x, n * 2));
