@@ -129,3 +129,21 @@ def test_launch_unit_builds_compile_every_source_apart_then_link(tmp_path, monke
         objs = [a for a in link.split() if a.endswith(".o")]
         assert link.split()[-1] == str(work / f"build{i}")
         assert objs == [str(work / f"build{i}_{k}.o") for k in range(1 + len(ab.LAUNCH_UNITS))]
+
+
+def test_a_stopped_run_reports_the_runs_that_ended(tmp_path, monkeypatch):
+    """SIGTERM in the middle of the rounds (as ``timeout`` sends it): the runs that ended
+    are summarized and written, the JSON says it stopped, and the exit code is 3."""
+    # the harness of the second variant stops the script that runs it
+    harness = _fake_nvcc(tmp_path, monkeypatch,
+                         'out=""\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+                         'printf \'#!/bin/sh\\n[ "$1" = v1 ] && kill -TERM $PPID && sleep 5\\n'
+                         'echo "$1 rms 4096 x 2048 7.00 us 00000000000000aa"\\n\' > "$out"\n'
+                         'chmod +x "$out"\n')
+    out = tmp_path / "ab.json"
+    rc = ab.main([str(harness), "--env", "", "--env", "X=1", "--rounds", "2",
+                  "--out", str(out)])
+    assert rc == 3
+    doc = json.loads(out.read_text())
+    assert doc["stopped"] and [r["variant"] for r in doc["rows"]] == ["v0"]
+    assert [(m["variant"], m["median_us"]) for m in doc["medians"]] == [("v0", {"us": 7.0})]

@@ -15,6 +15,9 @@ exits with 1.
     python3 bench/micro/ab.py bench/micro/small_backward_ab.cu --launch-units \\
         --env "" --env "NORMSPEC_BWD_TEAM=256"
 
+Stopped by SIGTERM (``timeout``) or Ctrl-C while running, it still prints (and writes)
+the medians of the runs that ended, marked as stopped early, and exits with 3.
+
 Flags that start with ``-`` need the ``--build=FLAGS`` spelling. ``--launch-units``
 links the launcher's translation units (``backends/csrc/normspec_launch*.cu``), which
 harnesses that call the shipped launcher's entry points need. Needs ``nvcc``
@@ -29,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -170,10 +174,19 @@ def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Pat
     return binaries
 
 
+class Stopped(Exception):
+    """SIGTERM (``timeout`` stopping the script): the rounds end, what ran is reported."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"stopped by signal {signum}")
+
+
 def run_rounds(binaries: dict[str, Path], vs: list[Variant], rounds: int, timeout: float,
-               console: Console) -> list[dict]:
-    """Every variant once per round, in order; one row per harness line."""
-    rows = []
+               console: Console, rows: list[dict] | None = None) -> list[dict]:
+    """Every variant once per round, in order; one row per harness line, appended to
+    ``rows`` as each run ends (so that a caller keeps the runs before an interruption)."""
+    rows = [] if rows is None else rows
     for r in range(1, rounds + 1):
         for v in vs:
             env = {**os.environ, **v.env}
@@ -253,17 +266,30 @@ def main(argv: list[str] | None = None) -> int:
         vs = variants(builds, args.env if args.env is not None else [""])
     except ValueError as exc:
         p.error(str(exc))
-    with tempfile.TemporaryDirectory(prefix="normspec_ab_") as tmp:
-        try:
+    rows: list[dict] = []
+    stopped = None
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="normspec_ab_") as tmp:
             binaries = build_all(args.harness, list(dict.fromkeys(builds)),
                                  args.launch_units, Path(tmp), console)
-            rows = run_rounds(binaries, vs, args.rounds, args.timeout, console)
-        except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            console.print(f"[red]ab: {exc}")
-            return 2
+            run_rounds(binaries, vs, args.rounds, args.timeout, console, rows)
+    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        console.print(f"[red]ab: {exc}")
+        return 2
+    except (Stopped, KeyboardInterrupt) as exc:
+        stopped = str(exc) or "interrupted"
+        if not rows:
+            console.print(f"[red]ab: {stopped} before any run ended")
+            return 3
+        console.print(f"[yellow]ab: {stopped}; reporting the {len(rows)} line(s) of the runs "
+                      "that ended")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     summary, differ = summarize(rows, vs)
     names = {v.name: describe(v) for v in vs}
-    table = Table(title=f"{args.harness.name}: median of {args.rounds} round(s), us")
+    done = "" if stopped is None else " (stopped early: rounds incomplete)"
+    table = Table(title=f"{args.harness.name}: median of {args.rounds} round(s), us{done}")
     for col in ("case", "variant", "times"):
         table.add_column(col)
     for s in summary:
@@ -276,13 +302,13 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python3 bench/micro/ab.py " + " ".join(
                 shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "git": git_state(), "device": gpu_name(),
-            "harness": str(args.harness), "rounds": args.rounds,
+            "harness": str(args.harness), "rounds": args.rounds, "stopped": stopped,
             "variants": [{"name": v.name, "build": v.build, "env": v.env} for v in vs],
             "hashes_differ": differ, "medians": summary, "rows": rows}, indent=1) + "\n")
     if differ:
         Console(stderr=True).print(f"[red]output hashes differ across variants: {differ}")
         return 1
-    return 0
+    return 0 if stopped is None else 3
 
 
 if __name__ == "__main__":
