@@ -1157,10 +1157,10 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
         if constexpr (OP == OP_GATED) {
           float z[VEC], dg[VEC];
           unpack<T>(cr[p], z);
-          // GC: the vector's lookups at once; otherwise one element at a time (the
-          // runtime form would hold the vector's pairs in more registers)
+          // GC: the vector's lookups and arithmetic at once, the convention's roundings
+          // two values per conversion; otherwise one element at a time (the runtime form
+          // would hold the vector's pairs in more registers)
           if constexpr (GCONST) {
-            // the vector at once, the convention's roundings two values per conversion
             Act acts[VEC];
             act_grads_from_table<VEC>(tab, z, sig, acts);
             float xh[VEC];
