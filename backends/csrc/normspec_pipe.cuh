@@ -879,16 +879,23 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // persistent kernel's table lives in shared memory and is filled by every block, which
 // is what makes that kernel persistent; a global table lets the gated forward run one
 // row per team like the other ops (the bits are the declared functions' either way).
-// NORMSPEC_GT_MIN_BLOCKS (build time, default 1; the A/B in bench/micro/row_forward_ab.cu):
-// the GT forms' register budget as resident 256-thread blocks per SM (4: 64 registers,
-// 5: 51). ncu at 1ea328e: the GT form of 128-element rows takes 66 registers, which
-// allows 28 resident warps (43.75 %), and runs one-warp blocks (row_block), at most 32
-// per SM.
+// NORMSPEC_GT_MIN_BLOCKS (build time, default 4): the GT forms' register budget as
+// resident 256-thread blocks per SM (4: 64 registers). Uncapped, the GT form of
+// 128-element rows took 80 registers (ncu, harness build), so 24 resident warps (37.5 %);
+// the source-level profile put half of all its stall samples on the first use of the
+// row's loads (long scoreboard: DRAM latency with too few warps to hide it). With 64
+// registers its one-warp blocks (row_block) reach the 32-block limit, 50 %: on the H200
+// 2^21 x 128 went 394.5 -> 372.7 us (vllm) and 406.5 -> 376.3 (hf); 5 (48 registers,
+// 68 bytes of spills) took 525 us (bench/results/sweeps/gt_occupancy.json).
+// NORMSPEC_ROW_MIN_BLOCKS (build time, default 1): the same for the other forms.
 #ifndef NORMSPEC_GT_MIN_BLOCKS
-#define NORMSPEC_GT_MIN_BLOCKS 1
+#define NORMSPEC_GT_MIN_BLOCKS 4
+#endif
+#ifndef NORMSPEC_ROW_MIN_BLOCKS
+#define NORMSPEC_ROW_MIN_BLOCKS 1
 #endif
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
-__global__ void __launch_bounds__(256, GT ? NORMSPEC_GT_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(256, GT ? NORMSPEC_GT_MIN_BLOCKS : NORMSPEC_ROW_MIN_BLOCKS)
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
