@@ -887,15 +887,30 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // registers its one-warp blocks (row_block) reach the 32-block limit, 50 %: on the H200
 // 2^21 x 128 went 394.5 -> 372.7 us (vllm) and 406.5 -> 376.3 (hf); 5 (48 registers,
 // 68 bytes of spills) took 525 us (bench/results/sweeps/gt_occupancy.json).
-// NORMSPEC_ROW_MIN_BLOCKS (build time, default 1): the same for the other forms.
+// NORMSPEC_RMS_MIN_BLOCKS (build time, default 4): the same for the rms norm's constant
+// forms of teams of 64 and more lanes (rows of 2048 bf16: four passes at 4096 and more
+// rows, one at fewer). Uncapped they took 80 registers (four passes), 37.5 %; with 64
+// and no spills (ptxas) rms 4096 x 2048 went 13.65 -> 12.77 us, 32768 x 2048 68.66 ->
+// 67.19, 64 x 2048 4.30 -> 4.03 (bench/results/sweeps/row_occupancy.json). The q/k
+// forms (teams of 8 and 32) and the fused ones took as long or longer capped, so they
+// keep NORMSPEC_ROW_MIN_BLOCKS (build time, default 1).
 #ifndef NORMSPEC_GT_MIN_BLOCKS
 #define NORMSPEC_GT_MIN_BLOCKS 4
+#endif
+#ifndef NORMSPEC_RMS_MIN_BLOCKS
+#define NORMSPEC_RMS_MIN_BLOCKS 4
 #endif
 #ifndef NORMSPEC_ROW_MIN_BLOCKS
 #define NORMSPEC_ROW_MIN_BLOCKS 1
 #endif
+// The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
+constexpr int row_min_blocks(int op, int full_tl, bool gt) {
+  return gt ? NORMSPEC_GT_MIN_BLOCKS
+             : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
+                                              : NORMSPEC_ROW_MIN_BLOCKS;
+}
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
-__global__ void __launch_bounds__(256, GT ? NORMSPEC_GT_MIN_BLOCKS : NORMSPEC_ROW_MIN_BLOCKS)
+__global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
