@@ -904,7 +904,7 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #define NORMSPEC_ROW_MIN_BLOCKS 1
 #endif
 // The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
-constexpr int row_min_blocks(int op, int full_tl, bool gt) {
+__host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
   return gt ? NORMSPEC_GT_MIN_BLOCKS
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
