@@ -138,6 +138,24 @@ struct RawBits<__half> : RawBits16<__half> {};
 #if (NORMSPEC_L2_LOAD_POLICY || NORMSPEC_L2_STORE_POLICY) && NORMSPEC_STREAMING_HINTS
 #error "NORMSPEC_L2_POLICY and NORMSPEC_STREAMING_HINTS are alternatives"
 #endif
+// NORMSPEC_L2_PREFETCH=64|128|256 (build-time, for the A/B; with the load policy): the
+// policy loads also ask L2 to fetch that aligned block around the line
+// (ld...L2::256B), so that a row of 256 bytes comes from DRAM in one request. 0 (the
+// default): no prefetch size.
+#ifndef NORMSPEC_L2_PREFETCH
+#define NORMSPEC_L2_PREFETCH 0
+#endif
+#if NORMSPEC_L2_PREFETCH == 0
+#define NORMSPEC_L2_PREFETCH_QUAL ""
+#elif NORMSPEC_L2_PREFETCH == 64
+#define NORMSPEC_L2_PREFETCH_QUAL ".L2::64B"
+#elif NORMSPEC_L2_PREFETCH == 128
+#define NORMSPEC_L2_PREFETCH_QUAL ".L2::128B"
+#elif NORMSPEC_L2_PREFETCH == 256
+#define NORMSPEC_L2_PREFETCH_QUAL ".L2::256B"
+#else
+#error "NORMSPEC_L2_PREFETCH: 0, 64, 128 or 256"
+#endif
 template <int LEVEL>
 __device__ __forceinline__ unsigned long long row_l2_policy() {
   static_assert(LEVEL >= 1 && LEVEL <= 4, "NORMSPEC_L2_*POLICY: 0..4");
@@ -158,7 +176,7 @@ __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
   return __ldcs(p);
 #elif NORMSPEC_L2_LOAD_POLICY && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
   uint4 v;
-  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+  asm("ld.global.L2::cache_hint" NORMSPEC_L2_PREFETCH_QUAL ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p), "l"(row_l2_policy<NORMSPEC_L2_LOAD_POLICY>()));
   return v;
