@@ -1035,6 +1035,74 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   }
 }
 
+// The GT form looping over rows (an experiment, off by default: NORMSPEC_GT_LOOP in the
+// launcher). The one-row GT kernel's warps wait on their row's loads for half their
+// stall samples (bench/results/ncu/gated_gt_forward_source_H200.txt) and exit; here a
+// grid of a few blocks per SM keeps each team on rows row, row + nslots, ..., with the
+// next row's loads issued before the current row's arithmetic, so two rows per team are
+// in flight. The same device functions compute every value (the bits are the GT form's).
+// Teams within a warp only (FULL_TL <= 5: no barrier); the block's rows decide the trip
+// count, so every lane of a warp joins every shuffle.
+#ifndef NORMSPEC_GT_LOOP_MIN_BLOCKS
+#define NORMSPEC_GT_LOOP_MIN_BLOCKS 3
+#endif
+template <int NP, int FULL_TL>
+__global__ void __launch_bounds__(256, NORMSPEC_GT_LOOP_MIN_BLOCKS)
+    normspec_fwd_gt_loop_kernel(const __nv_bfloat16* __restrict__ x,
+                                const __nv_bfloat16* __restrict__ gate,
+                                const void* __restrict__ w, __nv_bfloat16* __restrict__ y,
+                                long long rows, long long sx, long long sr, long long sy,
+                                float eps, float offset, int flags,
+                                float* __restrict__ rstd_out, const float* __restrict__ gtab) {
+  using namespace normspec;
+  using T = __nv_bfloat16;
+  static_assert(FULL_TL >= 0 && FULL_TL <= 5, "teams within a warp");
+  constexpr int VEC = VecOf<T>::value;
+  constexpr int S = VEC << FULL_TL;
+  constexpr int Hc = NP * S;
+  __shared__ float red[NP * 32];
+  const Team tm = make_team(FULL_TL);
+  const int tcol = tm.lane * VEC;
+  const auto load_row = [&](long long row, uint4 (&cx)[NP], uint4 (&cg)[NP]) {
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      cx[p] = make_uint4(0u, 0u, 0u, 0u);
+      cg[p] = cx[p];
+      if (row < rows) {
+        cx[p] = load_raw<T>(x + row * sx + tcol, p * S, Hc);
+        cg[p] = load_raw<T>(gate + row * sr + tcol, p * S, Hc);
+      }
+    }
+  };
+  uint4 cx[NP], cg[NP];
+  load_row(tm.slot, cx, cg);
+  const long long block_first = static_cast<long long>(blockIdx.x) * (blockDim.x >> FULL_TL);
+  for (long long first = block_first, row = tm.slot; first < rows;
+       first += tm.nslots, row += tm.nslots) {
+    uint4 nx[NP], ng[NP];
+    load_row(row + tm.nslots, nx, ng);
+    float v[NP][VEC];
+#pragma unroll
+    for (int p = 0; p < NP; ++p) norm_input_raw<OP_GATED, T>(cx[p], cg[p], flags, v[p]);
+    const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, Hc, eps, FULL_TL, red);
+    if (row < rows) {
+      if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        float g[VEC];
+        weight_factors<OP_GATED, T, VEC>(w, p * S + tcol, Hc, offset, flags, g);
+        forward_of<OP_GATED, T>(v[p], cg[p], flags, rstd, g, true, gtab, y + row * sy + tcol,
+                                nullptr, p * S, Hc);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      cx[p] = nx[p];
+      cg[p] = ng[p];
+    }
+  }
+}
+
 // ---- backward -------------------------------------------------------------------
 // A team reduces the dweight contributions of groups of R = 2**glog
 // consecutive rows (rows beyond `rows` contribute +0.0) with a per-column
