@@ -605,29 +605,6 @@ const float* global_gate_table(bool sig, cudaStream_t stream) {
   }
   return tab;
 }
-// NORMSPEC_GT_LOOP=1: the GT form looping over rows, with the next row's loads in flight
-// (normspec_fwd_gt_loop_kernel), for teams within a warp, on as many blocks as are
-// resident at once; an experiment for the A/B in bench/micro/row_forward_ab.cu.
-inline bool gt_loop_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_LOOP", '1');
-  return on;
-}
-template <int NP, int TL>
-void launch_gt_loop(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
-                    const float* tab) {
-  using T = __nv_bfloat16;
-  auto kernel = normspec_fwd_gt_loop_kernel<NP, TL>;
-  const int block = row_block(g, a.rows);
-  static int per_sm[33] = {0};  // by warps per block
-  int& n = per_sm[block >> 5];
-  if (n == 0) n = blocks_per_sm(kernel, block, 0);
-  const long long need = grid_for(a.rows, block >> TL);
-  const long long cap = static_cast<long long>(device_sms()) * n;
-  kernel<<<static_cast<unsigned>(need < cap ? need : cap), block, 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.r), pipe_weight(a),
-      static_cast<T*>(a.y), a.rows, a.sx, a.sr, a.sy, a.eps, a.offset, a.flags, a.rstd_out, tab);
-}
-
 // The gated forward through the global table where it is not switched off and the row
 // geometry is a two-pass constant form (rows of 64..1024 bf16); returns whether it ran.
 template <int OP, typename T>
@@ -641,10 +618,6 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
     if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
     const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
     if (tab == nullptr) return false;
-    if (gt_loop_enabled() && with_team_log<2, 5>(g.team_log, [&](auto tl) {
-          launch_gt_loop<2, decltype(tl)::value>(a, g, stream, tab);
-        }))
-      return true;
     return with_team_log<2, 6>(g.team_log, [&](auto tl) {
       launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
     });
