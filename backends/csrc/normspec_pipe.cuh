@@ -141,7 +141,8 @@ struct RawBits<__half> : RawBits16<__half> {};
 // NORMSPEC_L2_PREFETCH=64|128|256 (build-time, for the A/B; with the load policy): the
 // policy loads also ask L2 to fetch that aligned block around the line
 // (ld...L2::256B), so that a row of 256 bytes comes from DRAM in one request. 0 (the
-// default): no prefetch size.
+// default): no prefetch size. On the H200 the gated forward took 4-5 us longer with 256
+// (372.2 -> 377.2 us, vllm) and the same with 128 (bench/results/sweeps/l2_prefetch.json).
 #ifndef NORMSPEC_L2_PREFETCH
 #define NORMSPEC_L2_PREFETCH 0
 #endif
