@@ -42,15 +42,22 @@ def sleep_cycles_per_ms() -> float:
 
 
 def device_us(fn: Callable[[], object], rep_ms: float = 100.0,
-              hide_host_ms: float = HIDE_HOST_MS) -> tuple[float, float]:
+              hide_host_ms: float = HIDE_HOST_MS,
+              flush_bytes: int = FLUSH_BYTES) -> tuple[float, float]:
     """``fn``'s GPU time and host time per call: medians, in microseconds.
 
-    Every call follows an L2 flush, as in do_bench, then a sleep kernel of
-    ``hide_host_ms`` while the host enqueues the call; the events around the call then
-    measure the GPU's time alone. The host time is how long enqueueing one call took
-    (``perf_counter`` around it). About ``rep_ms`` of calls are timed (5 to 200)."""
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int, device="cuda")
-    cycles = int(hide_host_ms * sleep_cycles_per_ms())
+    Every call follows an L2 flush of ``flush_bytes`` (``zero_``, as in do_bench), then a
+    sleep kernel of ``hide_host_ms`` while the host enqueues the call; the events around
+    the call then measure the GPU's time alone. ``hide_host_ms=0`` leaves the sleep out
+    (the GPU may then wait for the host inside the timed span, as in do_bench). The host
+    time is how long enqueueing one call took (``perf_counter`` around it). About
+    ``rep_ms`` of calls are timed (5 to 200)."""
+    if hide_host_ms < 0:
+        raise ValueError(f"hide_host_ms: expected >= 0 ms, got {hide_host_ms}")
+    if flush_bytes < 4:
+        raise ValueError(f"flush_bytes: expected at least 4 bytes, got {flush_bytes}")
+    flush = torch.empty(flush_bytes // 4, dtype=torch.int, device="cuda")
+    cycles = int(hide_host_ms * sleep_cycles_per_ms()) if hide_host_ms > 0 else 0
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -63,7 +70,8 @@ def device_us(fn: Callable[[], object], rep_ms: float = 100.0,
     host = []
     for start, end in events:
         flush.zero_()
-        torch.cuda._sleep(cycles)
+        if cycles:
+            torch.cuda._sleep(cycles)
         start.record()
         t0 = time.perf_counter()
         fn()

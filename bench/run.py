@@ -42,7 +42,9 @@ machine hits every backend alike; a row keeps the median over the rounds,
 every round's call time and the spreads ((max - min) / median), and the
 table flags spreads over 10 %.
 
-Usage: ``python bench/run.py [--quick] [--rounds 3] [--out bench/results]``
+Usage: ``python bench/run.py [--quick] [--rounds 3] [--out bench/results]``; ``--case``
+and ``--backend`` narrow it, ``--flush-mib`` and ``--hide-host-ms`` change the device
+timing's flush and sleep (to see how a kernel's time depends on them).
 """
 
 from __future__ import annotations
@@ -60,10 +62,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import device_us
+from device_timing import FLUSH_BYTES, HIDE_HOST_MS, device_us
 
 #: Whether time_call also takes the device timing (off without CUDA and by --no-device-time).
 DEVICE_TIMING = True
+#: The device timing's L2 flush (MiB) and host-hiding sleep (ms); --flush-mib, --hide-host-ms.
+FLUSH_MIB = FLUSH_BYTES // 2**20
+HIDE_MS = HIDE_HOST_MS
 EPS = 1e-6
 BF16 = torch.bfloat16
 
@@ -86,7 +91,7 @@ def time_call(fn: Callable[[], object], rep: float) -> tuple[float, float | None
     ms = bench_ms(fn, rep)
     if not DEVICE_TIMING or not torch.cuda.is_available():
         return ms, None, None
-    dev, host = device_us(fn, rep)
+    dev, host = device_us(fn, rep, hide_host_ms=HIDE_MS, flush_bytes=FLUSH_MIB * 2**20)
     return ms, dev, host
 
 
@@ -443,7 +448,7 @@ BACKEND_FILTER: tuple[str, ...] = ()
 
 
 def main(argv=None) -> int:
-    global BACKEND_FILTER, ROUNDS, DEVICE_TIMING
+    global BACKEND_FILTER, ROUNDS, DEVICE_TIMING, FLUSH_MIB, HIDE_MS
     # torch.compile donates buffers to its backward, which then refuses the
     # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
     import torch._functorch.config as functorch_config
@@ -460,6 +465,11 @@ def main(argv=None) -> int:
                    help="time only these cases, e.g. norm:32768:2048 (kind: norm, fused, gated)")
     p.add_argument("--no-device-time", action="store_true",
                    help="only do_bench's timing (skip the device timing that hides host gaps)")
+    p.add_argument("--flush-mib", type=int, default=FLUSH_MIB,
+                   help=f"the device timing's L2 flush before each call, MiB (default {FLUSH_MIB})")
+    p.add_argument("--hide-host-ms", type=float, default=HIDE_MS,
+                   help="the device timing's sleep kernel before each call, ms; 0 leaves it "
+                        f"out (default {HIDE_MS})")
     args = p.parse_args(argv)
     try:
         cases = [parse_case(c) for c in args.case] or CASES
@@ -467,6 +477,11 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.flush_mib < 1:
+        p.error(f"--flush-mib must be at least 1, got {args.flush_mib}")
+    if args.hide_host_ms < 0:
+        p.error(f"--hide-host-ms must be 0 or more, got {args.hide_host_ms}")
+    FLUSH_MIB, HIDE_MS = args.flush_mib, args.hide_host_ms
     BACKEND_FILTER = tuple(args.backend)
     ROUNDS = args.rounds
     DEVICE_TIMING = not args.no_device_time
@@ -479,7 +494,8 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(),
            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "copy_tbps": bw, "command": "python bench/run.py " + " ".join(argv or sys.argv[1:])}
+           "copy_tbps": bw, "command": "python bench/run.py " + " ".join(argv or sys.argv[1:]),
+           "device_timing": {"flush_mib": FLUSH_MIB, "hide_host_ms": HIDE_MS}}
     try:
         from normspec.report import git_state
 

@@ -123,7 +123,7 @@ def test_device_timing_fields_from_rounds(monkeypatch):
 
     calls = iter([(10.0, 20.0), (30.0, 40.0), (20.0, 30.0)] * 4)
 
-    def fake_device_us(fn, *args):
+    def fake_device_us(fn, *args, **kwargs):
         fn()
         return next(calls)
 
@@ -163,3 +163,46 @@ def test_a_backend_left_out_by_the_filter_is_not_loaded(monkeypatch):
     monkeypatch.setattr(run, "BACKEND_FILTER", ())
     run._ours()
     assert loaded == ["torch_ext", "cupy"]
+
+
+def test_device_timing_takes_the_flush_and_sleep_flags(monkeypatch):
+    """--flush-mib and --hide-host-ms reach every device timing: a probe of how the flush
+    and the host-hiding sleep move a kernel's time (notes/perf.md §22)."""
+    import torch
+
+    seen = []
+
+    def fake_device_us(fn, rep, **kwargs):
+        seen.append(kwargs)
+        return 5.0, 6.0
+
+    monkeypatch.setattr(run, "bench_ms", lambda fn, rep=0.0: 1.0)
+    monkeypatch.setattr(run, "device_us", fake_device_us)
+    monkeypatch.setattr(run, "DEVICE_TIMING", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "FLUSH_MIB", 512)
+    monkeypatch.setattr(run, "HIDE_MS", 0.0)
+    assert run.time_call(lambda: None, 10.0) == (1.0, 5.0, 6.0)
+    assert seen == [{"hide_host_ms": 0.0, "flush_bytes": 512 * 2**20}]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--flush-mib", "0", "--flush-mib must be at least 1, got 0"),
+    ("--hide-host-ms", "-1", "--hide-host-ms must be 0 or more, got -1.0"),
+])
+def test_timing_flags_out_of_range_are_refused(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as done:
+        run.main([flag, value])
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"hide_host_ms": -0.5}, "hide_host_ms: expected >= 0 ms, got -0.5"),
+    ({"flush_bytes": 2}, "flush_bytes: expected at least 4 bytes, got 2"),
+])
+def test_device_us_refuses_a_negative_sleep_or_no_flush(kwargs, message):
+    from device_timing import device_us
+
+    with pytest.raises(ValueError, match=message):
+        device_us(lambda: None, **kwargs)
