@@ -445,6 +445,9 @@ bool use_gate_table(const LaunchArgs& a) {
 }
 
 // The weight pointer a pipelined kernel gets, with F_W_RAW where it holds the input dtype.
+// Call it in a statement of its own before the launch: it sets a.flags, and the
+// arguments of one launch are evaluated in no fixed order (3a3ec32's experiment passed
+// it next to a.flags and its kernel read a bf16 weight as fp32).
 inline const void* pipe_weight(LaunchArgs& a) {
   if (a.w_in_dtype == nullptr) return a.w;
   a.flags |= F_W_RAW;
