@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(256)
   const bool ws_aligned = (H % 4) == 0;
   const long long tcol = static_cast<long long>(threadIdx.x) * VEC;
   const long long R = 1LL << glog;
-  const long long groups = (rows + R - 1) / R;
+  const long long groups = (rows + R - 1) >> glog;  // a shift: no 64-bit division
   int buf = 0;
   for (long long g = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; g < groups;
        g += static_cast<long long>(gridDim.x) * blockDim.y) {
