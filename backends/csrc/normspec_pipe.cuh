@@ -1119,11 +1119,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   constexpr int FULL_NTHR = FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0);
   const int nthr = FULL ? FULL_NTHR : blockDim.x;
   const long long R = 1LL << glog;
-#ifdef NORMSPEC_AB_GROUPS_DIVIDE  // temporary A/B switch (session 18): the old division
-  const long long groups = (rows + R - 1) / R;
-#else
   const long long groups = (rows + R - 1) >> glog;  // a shift: no 64-bit division
-#endif
 
   const bool table = GCONST || (TABLE_OK && (flags & F_GATE_TABLE));
   float4* wsm = stk + glog * NP * Q * nthr;
