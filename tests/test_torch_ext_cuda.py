@@ -446,6 +446,7 @@ OVERRIDES = [
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
+    {"NORMSPEC_BWD_ROW": "1"},  # the one-row rms backward kernel for one-row groups
 ]
 
 
@@ -593,8 +594,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0"}, {"NORMSPEC_PDL": "0"}],
-                         ids=["default", "dw_final_off", "pdl_off"])
+@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0"}, {"NORMSPEC_PDL": "0"},
+                                       {"NORMSPEC_BWD_ROW": "1"}],
+                         ids=["default", "dw_final_off", "pdl_off", "row_kernel"])
 def test_backward_ends_with_one_tree_kernel(old_paths):
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to
@@ -602,7 +604,9 @@ def test_backward_ends_with_one_tree_kernel(old_paths):
     an fp32 weight, whose workspace row is the answer, or a weight of the 16-bit
     input's dtype, which the backward kernel stores itself unless
     ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width, with the
-    tree's launches chained (programmatic dependent launch) or not (``NORMSPEC_PDL=0``)."""
+    tree's launches chained (programmatic dependent launch) or not (``NORMSPEC_PDL=0``), and
+    with the one-row rms backward kernel (``NORMSPEC_BWD_ROW=1``) where the row fills its
+    constant geometry."""
     import os
     import subprocess
     import sys
@@ -611,7 +615,7 @@ def test_backward_ends_with_one_tree_kernel(old_paths):
     tests = str(Path(__file__).resolve().parent)
     # only the forced glog: another geometry override could keep rows off the
     # pipelined backward, where the forced glog applies
-    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL"}
+    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL", "NORMSPEC_BWD_ROW"}
     env = {k: v for k, v in os.environ.items() if k not in cleared}
     done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
                           env={**env, "NORMSPEC_BWD_GLOG": "0", **old_paths},

@@ -11,6 +11,7 @@
 // Tuning override (read once per process, at the first launch or plan):
 //   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 1..1024)
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
+//   NORMSPEC_BWD_ROW=1  (the one-row rms backward kernel, bwd_row_enabled)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
@@ -701,6 +702,26 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
       plan.glog, SAVED ? a.rstd_in : nullptr);
 }
 
+// NORMSPEC_BWD_ROW=1: the rms backward of one-row groups (glog = 0) in the constant
+// geometries runs normspec_bwd_row_kernel (default: the pipelined kernel). An
+// experiment, off until timed (notes/perf.md §23); the same bits either way.
+inline bool bwd_row_enabled() {
+  static const bool on = env_is("NORMSPEC_BWD_ROW", '1');
+  return on;
+}
+
+template <typename T, int NP, int FULL_TL, bool SAVED>
+void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
+  const void* w = pipe_weight(a);  // sets F_W_RAW in a.flags: call it before the launch
+  PipeGeometry g;
+  g.team_log = FULL_TL;
+  g.np = NP;
+  const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
+  normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED><<<grid, g.block(), 0, stream>>>(
+      static_cast<const T*>(a.x), w, static_cast<const T*>(a.dy), static_cast<T*>(a.y), ws,
+      a.rows, a.sx, a.sdy, a.sy, a.eps, a.offset, a.flags, SAVED ? a.rstd_in : nullptr);
+}
+
 // The kernel that reads the given rstd where there is one (saved_rstd), else the
 // one that computes it: two instantiations, so that neither carries the other's
 // registers (one kernel with a runtime switch took the fused backward from four
@@ -712,6 +733,12 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
 template <int OP, typename T, int NP, int FULL_TL>
 void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
+  if constexpr (OP == OP_RMS && FULL_TL >= 0) {
+    if (plan.glog == 0 && bwd_row_enabled()) {
+      if (saved_rstd(a) != nullptr) return launch_bwd_row<T, NP, FULL_TL, true>(a, ws, stream);
+      return launch_bwd_row<T, NP, FULL_TL, false>(a, ws, stream);
+    }
+  }
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 1 && FULL_TL >= 0) {
     if (saved_rstd(a) != nullptr && bwd_gate_table<OP, T>(a, plan)) {
       if (!(a.flags & F_HF))

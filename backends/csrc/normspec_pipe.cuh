@@ -1037,6 +1037,34 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
 }
 
 // ---- backward -------------------------------------------------------------------
+// The rms and fused ops' backward of one vector: dxhat = dy * g, the dweight
+// contribution dy * xhat and dxhat * xhat for the row's sum, each product rounded once.
+template <int VEC>
+__device__ __forceinline__ void norm_backward_vec(const float (&v)[VEC], const float (&dyv)[VEC],
+                                                  const float (&g)[VEC], float rstd,
+                                                  float (&dxh)[VEC], float (&c)[VEC],
+                                                  float (&prod)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const float xhat = normspec::mul(v[k], rstd);
+    dxh[k] = normspec::mul(dyv[k], g[k]);
+    c[k] = normspec::mul(dyv[k], xhat);
+    prod[k] = normspec::mul(dxh[k], xhat);
+  }
+}
+
+// dx of one vector: rstd * (dxhat - xhat * m), m the row's mean of dxhat * xhat and
+// xhat formed again as v * rstd (the same bits as before).
+template <int VEC>
+__device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&dxh)[VEC],
+                                          float rstd, float m, float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const float xm = normspec::mul(normspec::mul(v[k], rstd), m);
+    out[k] = normspec::mul(rstd, normspec::sub(dxh[k], xm));
+  }
+}
+
 // A team reduces the dweight contributions of groups of R = 2**glog
 // consecutive rows (rows beyond `rows` contribute +0.0) with a per-column
 // binary-counter stack in dynamic shared memory: glog levels of NP * VEC floats
@@ -1225,13 +1253,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           }
           if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
         } else {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float xhat = mul(v[k], rstd);
-            dxh[p][k] = mul(dyv[k], g[k]);
-            c[k] = mul(dyv[k], xhat);
-            prod[k] = mul(dxh[p][k], xhat);
-          }
+          norm_backward_vec<VEC>(v, dyv, g, rstd, dxh[p], c, prod);
         }
         zero_beyond<VEC>(c, col, Hc);
         zero_beyond<VEC>(prod, col, Hc);
@@ -1276,9 +1298,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           if (col < Hc) {
             float v[VEC], out[VEC];
             norm_input_raw<OP, T>(cx[p], cr[p], flags, v);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k)
-              out[k] = mul(rstd, sub(dxh[p][k], mul(mul(v[k], rstd), m)));
+            dx_of_vec<VEC>(v, dxh[p], rstd, m, out);
             if constexpr (DRES) {
               float dr[VEC];
               unpack<T>(cdr[p], dr);
@@ -1291,6 +1311,84 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           }
         }
       }
+    }
+  }
+}
+
+// The rms backward of one row per team, without the pipelined kernel's machinery: no
+// group loop, no dweight stacks, no prefetch of a next row, and the weight's factors
+// loaded to registers (weight_factors, as the one-row forward reads them) instead of
+// through shared memory and a barrier. For plans of one row per dweight group (glog = 0)
+// in the constant geometries (FULL_TL: teams of 2**FULL_TL threads, NP passes, rows of
+// exactly NP * VEC << FULL_TL elements); the launcher takes it with NORMSPEC_BWD_ROW=1
+// (off by default: not yet timed). Why: the pipelined kernel's 1 x 2048 backward ran 614
+// executed SASS per warp against torch.compile's 161, most of them integer and control
+// work, and 992 SASS of code fetched after the bench's flush
+// (bench/results/ncu/small_backward_source_H200.txt, notes/perf.md §23).
+// The same device functions compute every value, so the bits are the pipelined
+// kernel's. ws: row r's dweight contributions at ws[r * H] (fp32), or with F_DW_FINAL
+// (one row) dweight itself, H values of T. SAVED: rstd_in holds the forward's rstd.
+template <typename T, int NP, int FULL_TL, bool SAVED>
+__global__ void __launch_bounds__(256)
+    normspec_bwd_row_kernel(const T* __restrict__ x, const void* __restrict__ w,
+                            const T* __restrict__ dy, T* __restrict__ dx,
+                            float* __restrict__ ws, long long rows, long long sx,
+                            long long sdy, long long sdx, float eps, float offset, int flags,
+                            const float* __restrict__ rstd_in) {
+  using namespace normspec;
+  constexpr int OP = OP_RMS;
+  constexpr int VEC = VecOf<T>::value;
+  constexpr int S = VEC << FULL_TL;
+  constexpr int H = NP * S;  // a power of two: the row's tree has no padding
+  __shared__ float red[2][NP * 32];
+  const Team tm = make_team(FULL_TL);
+  const int tcol = tm.lane * VEC;
+  const long long row = tm.slot;
+  const bool active = row < rows;
+  // chained tree launches follow (normspec::chained_launches): they wait for this grid
+  if (flags & F_LET_DEPENDENTS) let_dependents_launch();
+  uint4 cx[NP], cdy[NP];
+  float rstd = 1.0f;  // inactive rows: any finite value
+#pragma unroll
+  for (int p = 0; p < NP; ++p) cx[p] = cdy[p] = make_uint4(0u, 0u, 0u, 0u);
+  if (active) {
+    if constexpr (SAVED) rstd = __ldg(rstd_in + row);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, H);
+      cdy[p] = load_raw<T>(dy + row * sdy, p * S + tcol, H);
+    }
+  }
+  float g[NP][VEC];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) weight_factors<OP, T, VEC>(w, p * S + tcol, H, offset, flags, g[p]);
+  if constexpr (!SAVED) rstd = row_rstd<OP, T, NP>(cx, cx, flags, tcol, S, H, H, eps, FULL_TL, red[0]);
+
+  float dxh[NP][VEC], part[NP];
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    const int col = p * S + tcol;  // col + VEC <= H: every vector is whole
+    float v[VEC], dyv[VEC], c[VEC], prod[VEC];
+    norm_input_raw<OP, T>(cx[p], cx[p], flags, v);
+    unpack<T>(cdy[p], dyv);
+    norm_backward_vec<VEC>(v, dyv, g[p], rstd, dxh[p], c, prod);
+    part[p] = local_tree<VEC>(prod, H);
+    if (active) {  // the row's group of one: its contributions are the group's tree
+      if (flags & F_DW_FINAL)
+        store_row<T>(reinterpret_cast<T*>(ws), col, H, c);
+      else
+        store_vec<float, VEC>(ws + row * H, col, H, true, c);
+    }
+  }
+  team_reduce_pipe<NP, VEC>(part, H, FULL_TL, red[1]);
+  const float m = div_by_count(fold_passes<NP>(part, S, H), H);
+  if (active) {
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      float v[VEC], out[VEC];
+      norm_input_raw<OP, T>(cx[p], cx[p], flags, v);
+      dx_of_vec<VEC>(v, dxh[p], rstd, m, out);
+      store_row<T>(dx + row * sdx, p * S + tcol, H, out);
     }
   }
 }
