@@ -615,7 +615,7 @@ def test_backward_ends_with_one_tree_kernel(old_paths):
     tests = str(Path(__file__).resolve().parent)
     # only the forced glog: another geometry override could keep rows off the
     # pipelined backward, where the forced glog applies
-    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL", "NORMSPEC_BWD_ROW"}
+    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL"}
     env = {k: v for k, v in os.environ.items() if k not in cleared}
     done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
                           env={**env, "NORMSPEC_BWD_GLOG": "0", **old_paths},

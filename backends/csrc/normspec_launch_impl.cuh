@@ -703,8 +703,8 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
 }
 
 // NORMSPEC_BWD_ROW=1: the rms backward of one-row groups (glog = 0) in the constant
-// geometries runs normspec_bwd_row_kernel (default: the pipelined kernel). An
-// experiment, off until timed (notes/perf.md §23); the same bits either way.
+// geometries runs normspec_bwd_row_kernel (default: the pipelined kernel). Off until
+// its CUDA tests have run on a GPU (notes/perf.md §23); the same bits either way.
 inline bool bwd_row_enabled() {
   static const bool on = env_is("NORMSPEC_BWD_ROW", '1');
   return on;

@@ -1321,10 +1321,12 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // through shared memory and a barrier. For plans of one row per dweight group (glog = 0)
 // in the constant geometries (FULL_TL: teams of 2**FULL_TL threads, NP passes, rows of
 // exactly NP * VEC << FULL_TL elements); the launcher takes it with NORMSPEC_BWD_ROW=1
-// (off by default: not yet timed). Why: the pipelined kernel's 1 x 2048 backward ran 614
-// executed SASS per warp against torch.compile's 161, most of them integer and control
-// work, and 992 SASS of code fetched after the bench's flush
-// (bench/results/ncu/small_backward_source_H200.txt, notes/perf.md §23).
+// (off by default until its CUDA tests have run; in the harness it took the 1 x 2048
+// backward from 4.35 to 3.94 us, bench/results/sweeps/bwd_row_kernel.json). Why: the
+// pipelined kernel's 1 x 2048 backward ran 614 executed SASS per warp against
+// torch.compile's 161, most of them integer and control work, and 992 SASS of code
+// fetched after the bench's flush (bench/results/ncu/small_backward_source_H200.txt,
+// notes/perf.md §23).
 // The same device functions compute every value, so the bits are the pipelined
 // kernel's. ws: row r's dweight contributions at ws[r * H] (fp32), or with F_DW_FINAL
 // (one row) dweight itself, H values of T. SAVED: rstd_in holds the forward's rstd.
@@ -1361,8 +1363,10 @@ __global__ void __launch_bounds__(256)
   }
   float g[NP][VEC];
 #pragma unroll
-  for (int p = 0; p < NP; ++p) weight_factors<OP, T, VEC>(w, p * S + tcol, H, offset, flags, g[p]);
-  if constexpr (!SAVED) rstd = row_rstd<OP, T, NP>(cx, cx, flags, tcol, S, H, H, eps, FULL_TL, red[0]);
+  for (int p = 0; p < NP; ++p)
+    weight_factors<OP, T, VEC>(w, p * S + tcol, H, offset, flags, g[p]);
+  if constexpr (!SAVED)
+    rstd = row_rstd<OP, T, NP>(cx, cx, flags, tcol, S, H, H, eps, FULL_TL, red[0]);
 
   float dxh[NP][VEC], part[NP];
 #pragma unroll
