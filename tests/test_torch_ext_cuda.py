@@ -446,7 +446,7 @@ OVERRIDES = [
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
-    {"NORMSPEC_BWD_ROW": "1"},  # the one-row rms backward kernel for one-row groups
+    {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups
 ]
 
 
@@ -562,6 +562,7 @@ def levels_before_the_last(g):
     return n
 
 final = os.environ.get("NORMSPEC_DW_FINAL") != "0"
+row_kernel = os.environ.get("NORMSPEC_BWD_ROW") != "0"
 gen = torch.Generator().manual_seed(7)
 for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
     for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
@@ -581,6 +582,9 @@ for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
             lambda: torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0))
         main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
         assert len(main) == 1, (what, names)
+        # one-row groups (the forced glog 0) of a full 32-lane row: the one-row kernel
+        if dtype == torch.bfloat16 and hidden == 256:
+            assert ("bwd_row" in names[main[0]]) == row_kernel, (what, names)
         tail = names[main[0] + 1:]
         n_level = levels_before_the_last(rows)
         # one row: an fp32 weight's dweight is the workspace row; a 16-bit weight of
@@ -595,8 +599,8 @@ print("ok")
 
 
 @pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0"}, {"NORMSPEC_PDL": "0"},
-                                       {"NORMSPEC_BWD_ROW": "1"}],
-                         ids=["default", "dw_final_off", "pdl_off", "row_kernel"])
+                                       {"NORMSPEC_BWD_ROW": "0"}],
+                         ids=["default", "dw_final_off", "pdl_off", "row_kernel_off"])
 def test_backward_ends_with_one_tree_kernel(old_paths):
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to
@@ -605,8 +609,8 @@ def test_backward_ends_with_one_tree_kernel(old_paths):
     input's dtype, which the backward kernel stores itself unless
     ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width, with the
     tree's launches chained (programmatic dependent launch) or not (``NORMSPEC_PDL=0``), and
-    with the one-row rms backward kernel (``NORMSPEC_BWD_ROW=1``) where the row fills its
-    constant geometry."""
+    with the pipelined kernel instead of the one-row rms backward kernel
+    (``NORMSPEC_BWD_ROW=0``) where the row fills its constant geometry (bf16, H = 256)."""
     import os
     import subprocess
     import sys

@@ -11,7 +11,8 @@
 // Tuning override (read once per process, at the first launch or plan):
 //   NORMSPEC_FWD_TEAM=<threads>  (a power of two, 1..1024)
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
-//   NORMSPEC_BWD_ROW=1  (the one-row rms backward kernel, bwd_row_enabled)
+//   NORMSPEC_BWD_ROW=0  (the pipelined rms backward also for one-row groups in the
+//                        constant geometries, not the one-row kernel; bwd_row_enabled)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
@@ -702,11 +703,11 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
       plan.glog, SAVED ? a.rstd_in : nullptr);
 }
 
-// NORMSPEC_BWD_ROW=1: the rms backward of one-row groups (glog = 0) in the constant
-// geometries runs normspec_bwd_row_kernel (default: the pipelined kernel). Off until
-// its CUDA tests have run on a GPU (notes/perf.md §23); the same bits either way.
+// The rms backward of one-row groups (glog = 0) in the constant geometries runs
+// normspec_bwd_row_kernel; NORMSPEC_BWD_ROW=0 keeps the pipelined kernel (the same
+// bits either way; notes/perf.md §23-24).
 inline bool bwd_row_enabled() {
-  static const bool on = env_is("NORMSPEC_BWD_ROW", '1');
+  static const bool on = !switched_off("NORMSPEC_BWD_ROW");
   return on;
 }
 

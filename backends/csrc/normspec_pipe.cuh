@@ -1320,9 +1320,9 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // loaded to registers (weight_factors, as the one-row forward reads them) instead of
 // through shared memory and a barrier. For plans of one row per dweight group (glog = 0)
 // in the constant geometries (FULL_TL: teams of 2**FULL_TL threads, NP passes, rows of
-// exactly NP * VEC << FULL_TL elements); the launcher takes it with NORMSPEC_BWD_ROW=1
-// (off by default until its CUDA tests have run; in the harness it took the 1 x 2048
-// backward from 4.35 to 3.94 us, bench/results/sweeps/bwd_row_kernel.json). Why: the
+// exactly NP * VEC << FULL_TL elements); the launcher takes it unless NORMSPEC_BWD_ROW=0
+// (in the harness it took the 1 x 2048 backward from 4.35 to 3.94 us,
+// bench/results/sweeps/bwd_row_kernel.json). Why: the
 // pipelined kernel's 1 x 2048 backward ran 614 executed SASS per warp against
 // torch.compile's 161, most of them integer and control work, and 992 SASS of code
 // fetched after the bench's flush (bench/results/ncu/small_backward_source_H200.txt,
