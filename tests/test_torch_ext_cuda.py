@@ -392,20 +392,24 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
 @pytest.mark.parametrize("op,params", VARIANTS, ids=lambda v: v if isinstance(v, str) else
                          ",".join(f"{k}={x}" for k, x in v.items()))
 def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
-    """One row with a weight of the input's 16-bit dtype: the pipelined backward's one
-    dweight group is dweight, which the kernel stores rounded to that dtype itself (no
+    """One row with a weight of the input's 16-bit dtype: the backward's one dweight
+    group is dweight, which the kernel stores rounded to that dtype itself (no
     workspace tree, no cast launch). The bits equal the spec's (specials included,
-    with and without the saved rstd) and the backward is a single kernel."""
+    with and without the saved rstd) and the backward is a single kernel: the one-row
+    rms kernel where the row fills a constant geometry (H = 128 and 2048), else the
+    pipelined kernel."""
     check_case(op, params, (1, hidden), dtype, dtype, hidden, specials=True)
     check_case(op, params, (1, hidden), dtype, dtype, hidden + 1, specials=False)
     rows, weight, grads = make_case(op, params, (1, hidden), dtype, dtype, 0, specials=False)
     crows = {k: v.cuda() for k, v in rows.items()}
     cw, cgrads = weight.cuda(), [g.cuda() for g in grads]
     *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
+    row_kernel = op == "rms_norm" and hidden in (128, 2048)
+    kernel = "normspec_bwd_row_kernel" if row_kernel else "normspec_bwd_pipe_kernel"
     for saved in (None, rstd):
         names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
                                                                    params, rstd=saved))
-        assert len(names) == 1 and "normspec_bwd_pipe_kernel" in names[0], names
+        assert len(names) == 1 and kernel in names[0], names
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------
