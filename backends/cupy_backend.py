@@ -255,24 +255,6 @@ def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
     return 0, 0
 
 
-def wide_few_row_backward_enabled() -> bool:
-    """Whether few rows of 256 vectors take the wide backward teams (``NORMSPEC_BWD_WIDE=0``
-    says no, as in the torch extension; read at each call)."""
-    return os.environ.get("NORMSPEC_BWD_WIDE") != "0"
-
-
-def backward_pipe_geometry(hidden: int, vec: int, rows: int, sm_count: int) -> tuple[int, int]:
-    """``(team_log, NP)`` of the pipelined backward of ``rows`` rows
-    (``normspec::backward_pipe_geometry``): :func:`pipe_backward_geometry`'s, except that
-    few rows of 256 vectors (2048 bf16 or f16, 1024 fp32) take teams of 256 threads with
-    one vector each, where the teams' threads stay within ``sm_count * 1024``."""
-    team_log, np_ = pipe_backward_geometry(hidden, vec)
-    if (np_ == 2 and hidden == 256 * vec and wide_few_row_backward_enabled()
-            and rows * 256 <= sm_count * 1024):
-        return 8, 1
-    return team_log, np_
-
-
 def pipe_block(team_log: int) -> int:
     """Threads per block of the pipelined kernels (``PipeGeometry::block``)."""
     return 256 if team_log <= 5 else 1 << team_log
@@ -304,7 +286,7 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
     1024 vectors. The largest groups, within five stack levels of at most 40 KiB a
     block, that leave a group for at least half of the teams the device holds."""
     vec = vec_of(dtype_code)
-    team_log, np_ = backward_pipe_geometry(hidden, vec, rows, sm_count)
+    team_log, np_ = pipe_backward_geometry(hidden, vec)
     if np_ == 0:
         return None
     cap = 0
@@ -334,8 +316,8 @@ def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_co
                          optin: int) -> tuple[str, int, int, bool, tuple[int, int, int]] | None:
     """``(kernel name expression, glog, groups, gate table, (block, smem, team_log))`` of
     the pipelined backward for aligned rows, ``None`` where it does not apply. Rows that
-    fill the team exactly in the common geometries (one pass of 16, 32 or 256 lanes, two
-    of 128 or 256 threads) run the constant-geometry form (``backward_pipe_t``). The
+    fill the team exactly in the common geometries (one pass of 16 or 32 lanes, two of
+    128 or 256 threads) run the constant-geometry form (``backward_pipe_t``). The
     backward recomputes rstd (this backend keeps no forward state)."""
     plan = pipe_backward_plan(dtype_code, rows, hidden, sm_count, optin)
     if plan is None:
@@ -347,7 +329,7 @@ def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_co
              and fits_smem(pipe_smem_bytes(team_log, np_, vec, glog, True), optin))
     lo = 4 if np_ == 1 else 7
     full = (np_ <= 2 and full_row_forms_enabled() and hidden == (np_ * vec) << team_log
-            and team_log in (lo, lo + 1, 8))
+            and team_log in (lo, lo + 1))
     name = (f"normspec_bwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
             f"{team_log if full else -1}, false, -1>")
     smem = pipe_smem_bytes(team_log, np_, vec, glog, table)
@@ -523,7 +505,7 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, -1, false, -1>" for n in _NPS),
         *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, {tl}, false, -1>"
-          for n, tl in ((1, 4), (1, 5), (1, 8), (2, 7), (2, 8))),
+          for n, tl in ((1, 4), (1, 5), (2, 7), (2, 8))),
         f"normspec_bwd_stream_kernel<{op}, {t}>",
         "normspec_col_tree_kernel",
         # the weight is fp32 or of the input dtype

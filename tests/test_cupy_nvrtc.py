@@ -307,7 +307,7 @@ def test_launch_shapes():
             # the last tree kernel for an fp32 weight and, but for fp32 rows, one of x's
             # dtype; bf16 gated: the global gate table's fill and its five row forms
             table = 6 if (op, dt) == (cb.OP_GATED, cb.DT_BF16) else 0
-            assert len(names) == len(set(names)) == (34 if dt == cb.DT_F32 else 35) + table
+            assert len(names) == len(set(names)) == (33 if dt == cb.DT_F32 else 34) + table
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
@@ -397,13 +397,6 @@ def test_row_forward_launch(op, dt, rows, hidden, want):
      ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 0, False, 256)),
     (cb.OP_FUSED, cb.DT_F32, 32768, 2048,
      ("normspec_bwd_pipe_kernel<1, float, 2, 8, false, -1>", 5, False, 256)),
-    # few rows of 256 vectors (teams within 132 * 1024 threads): one vector a thread
-    (cb.OP_RMS, cb.DT_BF16, 1, 2048,
-     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 1, 8, false, -1>", 0, False, 256)),
-    (cb.OP_FUSED, cb.DT_F32, 528, 1024,
-     ("normspec_bwd_pipe_kernel<1, float, 1, 8, false, -1>", 0, False, 256)),
-    (cb.OP_RMS, cb.DT_BF16, 529, 2048,
-     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, false, -1>", 0, False, 128)),
     # rows that do not fill the team: the general form
     (cb.OP_RMS, cb.DT_F16, 100000, 1003,
      ("normspec_bwd_pipe_kernel<0, __half, 2, -1, false, -1>", 5, False, 64)),
@@ -437,14 +430,6 @@ def test_pipe_backward_switches(monkeypatch):
     assert not cb.pipe_backward_enabled()
     # rows of more than 1024 vectors: the register and streaming kernels
     assert cb.pipe_backward_launch(cb.OP_RMS, cb.DT_BF16, 64, 8200, 132, 232448) is None
-    # few rows of 2048 bf16: teams of 256 x 1 unless NORMSPEC_BWD_WIDE=0
-    monkeypatch.delenv("NORMSPEC_PIPE", raising=False)
-    monkeypatch.delenv("NORMSPEC_FULL_ROW", raising=False)
-    few = (cb.OP_RMS, cb.DT_BF16, 64, 2048, 132, 232448)
-    monkeypatch.delenv("NORMSPEC_BWD_WIDE", raising=False)
-    assert cb.pipe_backward_launch(*few)[0].endswith("1, 8, false, -1>")
-    monkeypatch.setenv("NORMSPEC_BWD_WIDE", "0")
-    assert cb.pipe_backward_launch(*few)[0].endswith("2, 7, false, -1>")
     # a device with less shared memory keeps the table out
     assert not cb.pipe_backward_launch(cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 65536)[3]
 
@@ -557,15 +542,6 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     return team.bit_length() - 1, np_
 
 
-def pipe_for_rows(hidden: int, vec: int, rows: int, sm: int) -> tuple[int, int]:
-    """(team_log, NP) of the pipelined backward of `rows` rows: the default, but few rows
-    of 256 vectors (the teams' threads within sm * 1024) run teams of 256 x 1."""
-    team_log, np_ = pipe_default(hidden, vec)
-    if np_ == 2 and hidden == 256 * vec and rows * 256 <= sm * 1024:
-        return 8, 1
-    return team_log, np_
-
-
 def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups, *, line):
     """The pipelined backward's plan: its geometry, a shared-memory budget of 40 KiB per
     block for the dweight stacks, and groups that cover the rows; unaligned rows keep the
@@ -575,7 +551,7 @@ def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, gr
         assert pipe == 0, line
         assert (glog, groups) == cb.backward_plan(dt, rows, hidden, sm), line
         return
-    assert pipe == 1 and (team_log, np_) == pipe_for_rows(hidden, vec, rows, sm), line
+    assert pipe == 1 and (team_log, np_) == pipe_default(hidden, vec), line
     block = 256 if team_log <= 5 else 1 << team_log
     assert 0 <= glog <= 5 and glog * np_ * vec * 4 * block <= 40960, line
     assert groups == -(-rows // (1 << glog)), line
@@ -670,30 +646,6 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
             assert cb.grid_for(v[0], v[1]) == v[2], line
         n += 1
     assert n > 5000
-
-
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_wide_few_row_backward_switches_off(tmp_path):
-    """NORMSPEC_BWD_WIDE=0: the launcher plans every aligned pipelined backward with the
-    default teams, few rows of 256 vectors included (by default they take 256 x 1)."""
-    import os
-
-    wide = narrow = 0
-    for env in ({**os.environ, "NORMSPEC_BWD_WIDE": "0"}, None):
-        for line in _geo_output(tmp_path, env).splitlines():
-            if not line.startswith("Q "):
-                continue
-            dt, rows, hidden, sm, _aligned, pipe, team_log, np_, _glog, _groups = map(
-                int, line.split()[1:])
-            if not pipe:
-                continue
-            want = pipe_default(hidden, cb.vec_of(dt)) if env else pipe_for_rows(
-                hidden, cb.vec_of(dt), rows, sm)
-            assert (team_log, np_) == want, (env is not None, line)
-            if env and want != pipe_for_rows(hidden, cb.vec_of(dt), rows, sm):
-                narrow += 1
-            wide += env is None and (team_log, np_) == (8, 1)
-    assert narrow > 20 and wide == narrow
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")

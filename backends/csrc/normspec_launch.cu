@@ -123,7 +123,7 @@ BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   const int vec = vec_of(dtype);
   set_alignment(a, dtype == DT_F32 ? 4 : 2);
   const PipeGeometry g = (a.flags & F_ALIGNED)
-                             ? backward_pipe_geometry(a.H, vec, a.rows, sm_count)
+                             ? pipe_geometry(a.H, vec, backward_team_override(), true)
                              : PipeGeometry{};
   if (g.np == 0) return backward_plan(dtype, a.rows, a.H, sm_count);
   BackwardPlan plan;

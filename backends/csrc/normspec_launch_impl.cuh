@@ -264,31 +264,6 @@ inline PipeGeometry pipe_geometry(long long H, int vec, int override_threads,
   return with_passes(threads, H, vec);
 }
 
-// NORMSPEC_BWD_WIDE=0: the few-row backward keeps the default teams of 128 threads
-// (default: backward_pipe_geometry widens them).
-inline bool wide_few_row_backward_enabled() {
-  static const bool on = !switched_off("NORMSPEC_BWD_WIDE");
-  return on;
-}
-
-// The pipelined backward's geometry: pipe_geometry's, except for few rows of 256
-// vectors (H = 2048 bf16 or f16, 1024 fp32), which take teams of 256 threads with one
-// vector each (the constant form NP = 1, FULL_TL = 8) instead of 128 x 2, as the
-// one-row forward widens its teams (row_geometry). Such a launch is bound by one
-// row's latency, and the 128-thread form issues each warp's instructions from one
-// warp per scheduler: on the H200 (ncu, bench/results/ncu/small_H200.csv) the
-// 1 x 2048 backward ran 614 instructions a warp in 3.1 us, torch.compile's 16-warp
-// kernel 161 a warp in 2.4. Few: the teams' threads within half the device's
-// resident threads (SMs x 1024), as in row_geometry.
-inline PipeGeometry backward_pipe_geometry(long long H, int vec, long long rows,
-                                           int sm_count) {
-  const int over = backward_team_override();
-  const PipeGeometry g = pipe_geometry(H, vec, over, true);
-  if (over > 0 || g.np != 2 || H != 256LL * vec || !wide_few_row_backward_enabled()) return g;
-  const long long resident_half = static_cast<long long>(sm_count) * 1024;
-  return rows * 256 <= resident_half ? with_passes(256, H, vec) : g;
-}
-
 // NORMSPEC_FWD_ROW=0: the persistent pipelined forward everywhere (default:
 // the one-row-per-team kernel wherever the gate table is not used).
 inline bool row_forward_enabled() {
@@ -780,20 +755,17 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
 }
 
 // Full rows (H = NP * VEC * 2**team_log) of the common default geometries run the
-// constant-geometry backward: one pass at 16 and 32 lanes (H = 128 and 256 bf16) and
-// at 256 threads (few rows of 2048 bf16, backward_pipe_geometry), two passes at 128 and
-// 256 threads (H = 2048 and 4096 bf16, 2048 fp32).
+// constant-geometry backward: one pass at 16 and 32 lanes (H = 128 and 256 bf16),
+// two passes at 128 and 256 threads (H = 2048 and 4096 bf16, 2048 fp32).
 template <int OP, typename T, int NP>
 void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
-  constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1,
-  if constexpr (NP <= 2) {              // and 8 for one pass (backward_pipe_geometry)
-    const auto constant = [&](auto tl) {
-      launch_bwd_pipe<OP, T, NP, decltype(tl)::value>(a, ws, plan, stream);
-    };
+  constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1
+  if constexpr (NP <= 2) {
     if (full_row_forms_enabled() && fills_team<T, NP>(a.H, plan.team_log) &&
-        (with_team_log<LO, LO + 1>(plan.team_log, constant) ||
-         with_team_log<8, 8>(plan.team_log, constant)))
+        with_team_log<LO, LO + 1>(plan.team_log, [&](auto tl) {
+          launch_bwd_pipe<OP, T, NP, decltype(tl)::value>(a, ws, plan, stream);
+        }))
       return;
   }
   launch_bwd_pipe<OP, T, NP, -1>(a, ws, plan, stream);
