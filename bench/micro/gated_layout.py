@@ -6,17 +6,16 @@ time_call (do_bench and the device timing), interleaved over rounds, per layout.
 Usage (GPU, from the repository root): ``python3 bench/micro/gated_layout.py``; ``ROUNDS``
 sets the rounds (3), and the JSON goes to ``$OUT/gated_layout.json`` (``/tmp`` without
 ``OUT``). Session 19 (notes/perf.md §24): no layout moved any backend by more than 1 us."""
-import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-spec = importlib.util.spec_from_file_location("benchrun", "bench/run.py")
-br = importlib.util.module_from_spec(spec)
-sys.modules["benchrun"] = br
-spec.loader.exec_module(br)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+import run as br  # bench/run.py: the peers, time_call, interleaved_rounds
+
 br.BACKEND_FILTER = ["torch_ext", "compile", "fla"]
 ROWS, H = 2**21, 128
 N = ROWS * H

@@ -5,16 +5,15 @@ each call after the bench's flush and sleep, as bench/run.py times it.
 
 Usage (GPU, from the repository root): ``python3 bench/micro/profile_small.py``; it prints
 per case and peer the kernels with their median CUPTI durations (µs)."""
-import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-spec = importlib.util.spec_from_file_location("benchrun", "bench/run.py")
-br = importlib.util.module_from_spec(spec)
-sys.modules["benchrun"] = br
-spec.loader.exec_module(br)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+import run as br  # bench/run.py: the peers, time_call, interleaved_rounds
+
 WANT = ("torch.compile", "liger", "normspec torch_ext")
 flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
 for rows, hidden in ((1, 2048), (64, 2048), (64, 256)):
