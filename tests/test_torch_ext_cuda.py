@@ -511,8 +511,6 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
                                                       params))
     if os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "0":
         kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
-    elif os.environ.get("NORMSPEC_FWD_TEAM") == "16":
-        kernel = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 1, 4, (true|1)>")
     else:
         kernel = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1)>")
     assert any(kernel.search(n) for n in names), names
@@ -522,12 +520,11 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "team16"])
+@pytest.mark.parametrize("row_table", ["default", "0"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
-    gate table in global memory (two passes over teams of 8; one pass over teams of 16
-    with ``NORMSPEC_FWD_TEAM=16``), with ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent
+    gate table in global memory, with ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent
     kernel with a table per block (the profiler shows which kernel ran); and a first use
     inside a CUDA graph capture (where the global table is not filled, so the capture
     holds the persistent kernel) gives them too."""
@@ -540,10 +537,7 @@ def test_gated_forward_every_gate_per_table(row_table):
     # eager module loading: no kernel is first loaded inside the capture
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER"}
     env.pop("NORMSPEC_GATED_ROW_TABLE", None)
-    env.pop("NORMSPEC_FWD_TEAM", None)
-    if row_table == "team16":
-        env["NORMSPEC_FWD_TEAM"] = "16"
-    elif row_table != "default":
+    if row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -620,18 +620,9 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
       return false;
     const PipeGeometry g = row_geometry(a.H, VecOf<T>::value, forward_team_override(), true,
                                         a.rows);
-    // two passes (the default geometry: 128 elements in teams of 8), or one pass over
-    // teams of 16 for rows of 128 (NORMSPEC_FWD_TEAM=16: half the registers per thread,
-    // for an occupancy sweep of the GT form against triton's 64-thread blocks)
-    const bool two = g.np == 2 && fills_team<T, 2>(a.H, g.team_log);
-    const bool one = g.np == 1 && g.team_log == 4 && fills_team<T, 1>(a.H, g.team_log);
-    if (!two && !one) return false;
+    if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
     const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
     if (tab == nullptr) return false;
-    if (one) {
-      launch_row<OP, T, 1, 4, true>(a, g, stream, tab);
-      return true;
-    }
     return with_team_log<2, 6>(g.team_log, [&](auto tl) {
       launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
     });
