@@ -511,23 +511,46 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
                                                       params))
     if os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "0":
         kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
+    elif os.environ.get("NORMSPEC_GT_ASYNC"):
+        depth = os.environ["NORMSPEC_GT_ASYNC"]
+        kernel = re.compile(rf"normspec_fwd_gt_async_kernel<2, __nv_bfloat16, 3, {depth}>")
     else:
         kernel = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1)>")
     assert any(kernel.search(n) for n in names), names
     got = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
     t.assert_bits(got[0], want[0], f"every gate {params}")
+    # a last step of fewer rows than the warp's teams, and rows apart in memory (x and
+    # the gate as halves of wider rows, as a projection's split gives them)
+    tail = {k: v[: rows_n - 3] for k, v in rows.items()}
+    got = t.ext_forward("rms_norm_gated", {k: v.cuda() for k, v in tail.items()}, cw, t.EPS,
+                        params)
+    t.assert_bits(got[0], t.spec_forward("rms_norm_gated", tail, w, t.EPS, params)[0],
+                  f"tail {params}")
+    wide = torch.cat([crows["x"], crows["gate"]], dim=1)
+    split = {"x": wide[:, :hidden], "gate": wide[:, hidden:]}
+    got = t.ext_forward("rms_norm_gated", split, cw, t.EPS, params)
+    t.assert_bits(got[0], want[0], f"strided rows {params}")
+    # the rstd the forward saves: the backward reading it gives the recomputing one's bits
+    *out, rstd = t.ext_forward_with_rstd("rms_norm_gated", crows, cw, t.EPS, params)
+    t.assert_bits(out[0], want[0], f"with rstd {params}")
+    dy = (torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16).cuda(),)
+    saved = t.ext_backward("rms_norm_gated", dy, crows, cw, t.EPS, params, rstd=rstd)
+    for g, r in zip(saved, t.ext_backward("rms_norm_gated", dy, crows, cw, t.EPS, params)):
+        t.assert_bits(g, r, f"backward from the saved rstd {params}")
 print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0"])
+@pytest.mark.parametrize("row_table", ["default", "0", "async2", "async3", "async4"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory, with ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent
-    kernel with a table per block (the profiler shows which kernel ran); and a first use
-    inside a CUDA graph capture (where the global table is not filled, so the capture
-    holds the persistent kernel) gives them too."""
+    kernel with a table per block, with ``NORMSPEC_GT_ASYNC=2|3|4`` the persistent GT
+    kernel that copies its rows ahead into shared memory (the profiler shows which
+    kernel ran); the same holds for a tail of fewer rows than a warp's teams and for
+    rows apart in memory; and a first use inside a CUDA graph capture (where the global
+    table is not filled, so the capture holds the persistent kernel) gives them too."""
     import os
     import subprocess
     import sys
@@ -537,7 +560,10 @@ def test_gated_forward_every_gate_per_table(row_table):
     # eager module loading: no kernel is first loaded inside the capture
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER"}
     env.pop("NORMSPEC_GATED_ROW_TABLE", None)
-    if row_table != "default":
+    env.pop("NORMSPEC_GT_ASYNC", None)
+    if row_table.startswith("async"):
+        env["NORMSPEC_GT_ASYNC"] = row_table[len("async"):]
+    elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,
                           capture_output=True, text=True, timeout=600)

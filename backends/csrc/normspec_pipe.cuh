@@ -1036,6 +1036,115 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   }
 }
 
+// ---- the GT forward with its rows copied ahead into shared memory ---------------------
+// One 16-byte copy from global to shared memory that holds no register while in flight
+// (cp.async, sm_80 and later; a plain copy elsewhere, which gives the same values).
+__device__ __forceinline__ void copy_async_16(uint4* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+  *dst = *static_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// The GT forward (rows of 2 * 8 << TL bf16, teams of 2**TL lanes, two passes), persistent,
+// with each lane's vectors of x and the gate copied DEPTH - 1 rows ahead into shared
+// memory. The one-row form holds a row's loads in registers until they land, so its
+// 64 registers bound the bytes in flight (32 one-warp blocks per SM, about 40 %
+// achieved occupancy in ncu); looping over rows with the next row's loads in registers
+// took 80 and was slower (notes/perf.md §22). Copies to shared memory hold no
+// registers. Every lane copies and reads only its own slots, so no barrier is needed:
+// its wait_group makes its own copies visible to it. Warp w takes the rows
+// (w + k * warps) * (32 >> TL) + team, k = 0, 1, ...; the whole warp runs every step
+// (the team reductions shuffle across it) and a team past the last row stores nothing.
+// The arithmetic is the one-row form's GT path, step for step.
+// Shared memory: [DEPTH][2 passes][x, gate][blockDim.x] 16-byte slots.
+template <int OP, typename T, int TL, int DEPTH>
+__global__ void __launch_bounds__(256, NORMSPEC_GT_MIN_BLOCKS)
+    normspec_fwd_gt_async_kernel(const T* __restrict__ x, const T* __restrict__ r,
+                                 const void* __restrict__ w, T* __restrict__ y,
+                                 long long rows, long long sx, long long sr, long long sy,
+                                 float eps, float offset, int flags,
+                                 float* __restrict__ rstd_out,
+                                 const float* __restrict__ gtab) {
+  using namespace normspec;
+  static_assert(OP == OP_GATED && IsBf16<T>::value, "the global gate table holds bf16 gates");
+  static_assert(TL >= 1 && TL <= 5 && DEPTH >= 2 && DEPTH <= 8, "teams within a warp");
+  constexpr int NP = 2;
+  constexpr int VEC = VecOf<T>::value;
+  constexpr int S = VEC << TL;
+  constexpr int H = NP * S;
+  constexpr int ROWS_PER_STEP = 32 >> TL;
+  extern __shared__ uint4 ahead[];
+  const int nthr = blockDim.x;
+  const int lane = static_cast<int>(threadIdx.x) & ((1 << TL) - 1);
+  const int team = (static_cast<int>(threadIdx.x) & 31) >> TL;
+  const int tcol = lane * VEC;
+  const long long warp = (static_cast<long long>(blockIdx.x) * nthr + threadIdx.x) >> 5;
+  const long long warps = (static_cast<long long>(gridDim.x) * nthr) >> 5;
+  const long long steps = (rows + ROWS_PER_STEP - 1) / ROWS_PER_STEP;
+  const T* xl = x + tcol;
+  const T* rl = r + tcol;
+  // slot of pass p of tensor t (0: x, 1: gate) in stage s
+  auto slot = [&](int s, int p, int t) { return ahead + ((s * NP + p) * 2 + t) * nthr + threadIdx.x; };
+  // the copies of step k into stage s, as one group (empty past the last row)
+  auto copy_step = [&](long long k, int s) {
+    const long long row = (warp + k * warps) * ROWS_PER_STEP + team;
+    if (row < rows) {
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        copy_async_16(slot(s, p, 0), xl + row * sx + p * S);
+        copy_async_16(slot(s, p, 1), rl + row * sr + p * S);
+      }
+    }
+    copy_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < DEPTH - 1; ++k) copy_step(k, k);
+  int s_read = 0, s_copy = DEPTH - 1;
+  for (long long k = 0; warp + k * warps < steps; ++k) {
+    copy_step(k + DEPTH - 1, s_copy);
+    copy_async_wait<DEPTH - 1>();  // step k's group has landed
+    const long long row = (warp + k * warps) * ROWS_PER_STEP + team;
+    uint4 cr[NP];
+    float v[NP][VEC];
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const uint4 cx = *slot(s_read, p, 0);
+      cr[p] = *slot(s_read, p, 1);
+      norm_input_raw<OP, T>(cx, cr[p], flags, v[p]);
+    }
+    // a team past the last row still joins the shuffles
+    const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, H, H, eps, TL, nullptr);
+    if (row < rows) {
+      if (rstd_out != nullptr && lane == 0) rstd_out[row] = rstd;
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        float g[VEC];
+        weight_factors<OP, T, VEC>(w, p * S + tcol, H, offset, flags, g);
+        forward_of<OP, T>(v[p], cr[p], flags, rstd, g, true, gtab, y + row * sy + tcol,
+                          nullptr, p * S, H);
+      }
+    }
+    s_read = s_read + 1 == DEPTH ? 0 : s_read + 1;
+    s_copy = s_copy + 1 == DEPTH ? 0 : s_copy + 1;
+  }
+  copy_async_wait<0>();  // nothing in flight at exit (the groups past the end are empty)
+}
+
 // ---- backward -------------------------------------------------------------------
 // The rms and fused ops' backward of one vector: dxhat = dy * g, the dweight
 // contribution dy * xhat and dxhat * xhat for the row's sum, each product rounded once.
