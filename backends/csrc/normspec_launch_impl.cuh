@@ -25,8 +25,6 @@
 //                                with a gate table per block in shared memory, instead
 //                                of one row per team reading a table in global memory;
 //                                forward_row_with_global_table)
-//   NORMSPEC_GT_ASYNC=<2..4>  (experiment: the GT forward copying its rows that many - 1
-//                              ahead into shared memory; gt_async_depth)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -612,54 +610,6 @@ const float* global_gate_table(bool sig, cudaStream_t stream) {
   }
   return tab;
 }
-// NORMSPEC_GT_ASYNC=<2..4> (experiment, unset: off): the GT forward of rows that fill
-// teams of 2..32 lanes in two passes runs normspec_fwd_gt_async_kernel, which copies each
-// row's vectors that many - 1 rows ahead into shared memory, in blocks of
-// NORMSPEC_ROW_BLOCK threads (default 128). Any other value: off, with one warning.
-inline int gt_async_depth() {
-  static const int depth = [] {
-    const char* s = std::getenv("NORMSPEC_GT_ASYNC");
-    if (s == nullptr || *s == '\0' || (s[0] == '0' && s[1] == '\0')) return 0;
-    if (s[1] == '\0' && s[0] >= '2' && s[0] <= '4') return s[0] - '0';
-    std::fprintf(stderr, "normspec: ignoring NORMSPEC_GT_ASYNC=%s (expected 2, 3 or 4); "
-                         "using the one-row GT form\n", s);
-    return 0;
-  }();
-  return depth;
-}
-
-// Launch normspec_fwd_gt_async_kernel: as many blocks as are resident (at most one per
-// step of ROWS_PER_STEP rows per warp), the copies' shared memory allowed per device.
-template <int OP, typename T, int TL, int DEPTH>
-void launch_gt_async(LaunchArgs a, cudaStream_t stream, const float* gtab) {
-  const auto kernel = normspec_fwd_gt_async_kernel<OP, T, TL, DEPTH>;
-  const int block = row_block_override() ? row_block_override() : 128;
-  const size_t smem = static_cast<size_t>(DEPTH) * 2 * 2 * block * sizeof(uint4);
-  static std::atomic<int> resident[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    cudaGetLastError();
-    dev = 0;
-  }
-  int n = resident[dev].load(std::memory_order_acquire);
-  if (n == 0) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)) != cudaSuccess)
-      cudaGetLastError();
-    n = blocks_per_sm(kernel, block, smem);
-    resident[dev].store(n, std::memory_order_release);
-  }
-  constexpr int ROWS_PER_STEP = 32 >> TL;
-  const long long steps = (a.rows + ROWS_PER_STEP - 1) / ROWS_PER_STEP;
-  const long long need = (steps + (block >> 5) - 1) / (block >> 5);
-  const long long cap = static_cast<long long>(device_sms()) * n;
-  const unsigned grid = grid_for(need < cap ? need : cap, 1);
-  kernel<<<grid, block, smem, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.r), pipe_weight(a),
-      static_cast<T*>(a.y), a.rows, a.sx, a.sr, a.sy, a.eps, a.offset, a.flags, a.rstd_out,
-      gtab);
-}
-
 // The gated forward through the global table where it is not switched off and the row
 // geometry is a two-pass constant form (rows of 64..1024 bf16); returns whether it ran.
 template <int OP, typename T>
@@ -673,16 +623,6 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
     if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
     const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
     if (tab == nullptr) return false;
-    if (gt_async_depth() > 0 && g.team_log <= 5) {
-      return with_team_log<2, 5>(g.team_log, [&](auto tl) {
-        constexpr int TL = decltype(tl)::value;
-        switch (gt_async_depth()) {
-          case 2: launch_gt_async<OP, T, TL, 2>(a, stream, tab); break;
-          case 3: launch_gt_async<OP, T, TL, 3>(a, stream, tab); break;
-          default: launch_gt_async<OP, T, TL, 4>(a, stream, tab); break;
-        }
-      });
-    }
     return with_team_log<2, 6>(g.team_log, [&](auto tl) {
       launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
     });
