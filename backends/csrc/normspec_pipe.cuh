@@ -916,6 +916,9 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_GT_MIN_BLOCKS
 #define NORMSPEC_GT_MIN_BLOCKS 4
 #endif
+#ifndef NORMSPEC_GT_RAW_X
+#define NORMSPEC_GT_RAW_X 0
+#endif
 #ifndef NORMSPEC_RMS_MIN_BLOCKS
 #define NORMSPEC_RMS_MIN_BLOCKS 4
 #endif
@@ -928,8 +931,23 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
 }
+// NORMSPEC_GT_REGS=<n> (build time, experiment): bound the GT forms to blocks of at most
+// 64 threads with n registers or fewer (e.g. 56: 36 resident warps in 64-thread blocks,
+// where one-warp blocks stop at the 32 blocks an SM holds). Launch them with
+// NORMSPEC_ROW_BLOCK=32 or 64 only.
+#ifdef NORMSPEC_GT_REGS
+__host__ __device__ constexpr int row_max_threads(bool gt) { return gt ? 64 : 256; }
+__host__ __device__ constexpr int row_bound_blocks(int op, int full_tl, bool gt) {
+  return gt ? 65536 / (64 * NORMSPEC_GT_REGS) : row_min_blocks(op, full_tl, gt);
+}
+#else
+__host__ __device__ constexpr int row_max_threads(bool) { return 256; }
+__host__ __device__ constexpr int row_bound_blocks(int op, int full_tl, bool gt) {
+  return row_min_blocks(op, full_tl, gt);
+}
+#endif
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
-__global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
+__global__ void __launch_bounds__(row_max_threads(GT), row_bound_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
@@ -999,7 +1017,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // two-input ops they take the registers of the raw x and residual / gate vectors
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
   // (half the registers) and unpacks it again for the output.
-  constexpr bool KEEP = TWO;
+  // NORMSPEC_GT_RAW_X=1 (build time, experiment): the GT forms also keep the raw x and
+  // unpack it again, 8 registers fewer per thread at the peak, for an occupancy sweep.
+  constexpr bool KEEP = TWO && !(GT && NORMSPEC_GT_RAW_X);
   float v[NP][VEC];
 #pragma unroll
   for (int p = 0; p < NP; ++p) norm_input_raw<OP, T>(cx[p], cr[p], flags, v[p]);
@@ -1007,6 +1027,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
   if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
+  if constexpr (GT && !KEEP) {
+    // the raw x as if new, so that the compiler unpacks it again instead of keeping
+    // the values of the reduction alive (it emits no instruction)
+#pragma unroll
+    for (int p = 0; p < NP; ++p)
+      asm volatile("" : "+r"(cx[p].x), "+r"(cx[p].y), "+r"(cx[p].z), "+r"(cx[p].w));
+  }
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
     const int col = p * S + tcol;
@@ -1025,11 +1052,12 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
                           Hl);
       } else {
         if constexpr (PER_PASS) {
-          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, y + row * sy,
-                                OP == OP_FUSED ? y2 + row * sy2 : nullptr, col, Hc);
+          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, GT, GT ? gtab : nullptr,
+                                y + row * sy, OP == OP_FUSED ? y2 + row * sy2 : nullptr, col,
+                                Hc);
         } else {
-          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, false, nullptr, yl, y2l, p * S,
-                                Hl);
+          forward_vector<OP, T>(cx[p], cr[p], flags, rstd, g, GT, GT ? gtab : nullptr, yl, y2l,
+                                p * S, Hl);
         }
       }
     }
