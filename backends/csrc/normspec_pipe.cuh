@@ -931,23 +931,8 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
 }
-// NORMSPEC_GT_REGS=<n> (build time, experiment): bound the GT forms to blocks of at most
-// 64 threads with n registers or fewer (e.g. 56: 36 resident warps in 64-thread blocks,
-// where one-warp blocks stop at the 32 blocks an SM holds). Launch them with
-// NORMSPEC_ROW_BLOCK=32 or 64 only.
-#ifdef NORMSPEC_GT_REGS
-__host__ __device__ constexpr int row_max_threads(bool gt) { return gt ? 64 : 256; }
-__host__ __device__ constexpr int row_bound_blocks(int op, int full_tl, bool gt) {
-  return gt ? 65536 / (64 * NORMSPEC_GT_REGS) : row_min_blocks(op, full_tl, gt);
-}
-#else
-__host__ __device__ constexpr int row_max_threads(bool) { return 256; }
-__host__ __device__ constexpr int row_bound_blocks(int op, int full_tl, bool gt) {
-  return row_min_blocks(op, full_tl, gt);
-}
-#endif
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
-__global__ void __launch_bounds__(row_max_threads(GT), row_bound_blocks(OP, FULL_TL, GT))
+__global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
                             T* __restrict__ y2, long long rows, long long H, long long sx,
@@ -1018,7 +1003,9 @@ __global__ void __launch_bounds__(row_max_threads(GT), row_bound_blocks(OP, FULL
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
   // (half the registers) and unpacks it again for the output.
   // NORMSPEC_GT_RAW_X=1 (build time, experiment): the GT forms also keep the raw x and
-  // unpack it again, 8 registers fewer per thread at the peak, for an occupancy sweep.
+  // unpack it again (72 registers uncapped against 80; at the cap of 64 no spill against
+  // 8 bytes). H200 harness, bench inputs: vllm 375.1 -> 373.2 us, hf 377.4 -> 380.1
+  // (bench/results/sweeps/gt_registers.json), so it stays off.
   constexpr bool KEEP = TWO && !(GT && NORMSPEC_GT_RAW_X);
   float v[NP][VEC];
 #pragma unroll
