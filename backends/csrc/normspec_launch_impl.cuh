@@ -25,6 +25,8 @@
 //                                with a gate table per block in shared memory, instead
 //                                of one row per team reading a table in global memory;
 //                                forward_row_with_global_table)
+//   NORMSPEC_GT_VLLM_FORM=0  (the vllm convention's GT forward through the form of both
+//                             conventions, not its own; gt_vllm_form_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -548,13 +550,13 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
   launch_fwd_pipe<OP, T, NP, -1>(a, g, table, stream);
 }
 
-template <int OP, typename T, int NP, int FULL_TL, bool GT = false>
+template <int OP, typename T, int NP, int FULL_TL, bool GT = false, bool GT_VLLM = false>
 void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
                 const float* gtab = nullptr) {
   const void* w = pipe_weight(a);
   const int block = row_block(g, a.rows);
   const unsigned grid = grid_for(a.rows, block >> g.team_log);
-  normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT><<<grid, block, 0, stream>>>(
+  normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT, GT_VLLM><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log, a.rstd_out, gtab);
@@ -610,6 +612,13 @@ const float* global_gate_table(bool sig, cudaStream_t stream) {
   }
   return tab;
 }
+// The GT forward of the vllm convention in its own form (normspec_fwd_row_kernel's
+// GT_VLLM); NORMSPEC_GT_VLLM_FORM=0 runs it through the form of both conventions.
+inline bool gt_vllm_form_enabled() {
+  static const bool on = !switched_off("NORMSPEC_GT_VLLM_FORM");
+  return on;
+}
+
 // The gated forward through the global table where it is not switched off and the row
 // geometry is a two-pass constant form (rows of 64..1024 bf16); returns whether it ran.
 template <int OP, typename T>
@@ -623,8 +632,13 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
     if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
     const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
     if (tab == nullptr) return false;
+    const bool vllm_form = !(a.flags & F_HF) && gt_vllm_form_enabled();
     return with_team_log<2, 6>(g.team_log, [&](auto tl) {
-      launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
+      if (vllm_form) {
+        launch_row<OP, T, 2, decltype(tl)::value, true, true>(a, g, stream, tab);
+      } else {
+        launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
+      }
     });
   } else {
     static_cast<void>(a), static_cast<void>(stream);

@@ -916,9 +916,6 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_GT_MIN_BLOCKS
 #define NORMSPEC_GT_MIN_BLOCKS 4
 #endif
-#ifndef NORMSPEC_GT_RAW_X
-#define NORMSPEC_GT_RAW_X 0
-#endif
 #ifndef NORMSPEC_RMS_MIN_BLOCKS
 #define NORMSPEC_RMS_MIN_BLOCKS 4
 #endif
@@ -931,7 +928,14 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
 }
-template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false>
+// GT_VLLM (with GT): the form the launcher runs for the vllm convention. It keeps the
+// raw x and unpacks it again after the reduction instead of keeping the unpacked values:
+// no spill at 64 registers (8 bytes otherwise; 72 registers uncapped against 80). It
+// still reads F_HF at run time: with the flag known clear, ptxas spilled 32 bytes. In the
+// H200 harness on the bench's inputs it took the vllm forward from 375.1 to 373.2 us; the
+// same for the hf convention took 377.4 to 380.1, so that convention keeps the values
+// (bench/results/sweeps/gt_registers.json, build flag NORMSPEC_GT_RAW_X, notes §25).
+template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, bool GT_VLLM = false>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
@@ -1001,12 +1005,10 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // The values the norm reads, formed once for the reduction and the output. For the
   // two-input ops they take the registers of the raw x and residual / gate vectors
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
-  // (half the registers) and unpacks it again for the output.
-  // NORMSPEC_GT_RAW_X=1 (build time, experiment): the GT forms also keep the raw x and
-  // unpack it again (72 registers uncapped against 80; at the cap of 64 no spill against
-  // 8 bytes). H200 harness, bench inputs: vllm 375.1 -> 373.2 us, hf 377.4 -> 380.1
-  // (bench/results/sweeps/gt_registers.json), so it stays off.
-  constexpr bool KEEP = TWO && !(GT && NORMSPEC_GT_RAW_X);
+  // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
+  // form.
+  static_assert(!GT_VLLM || GT, "GT_VLLM is a form of the GT path");
+  constexpr bool KEEP = TWO && !GT_VLLM;
   float v[NP][VEC];
 #pragma unroll
   for (int p = 0; p < NP; ++p) norm_input_raw<OP, T>(cx[p], cr[p], flags, v[p]);
