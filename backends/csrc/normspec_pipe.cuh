@@ -928,7 +928,7 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
 }
-// GT_VLLM (with GT): the form the launcher runs for the vllm convention. It keeps the
+// GT_VLLM (with GT): a form for the vllm convention (NORMSPEC_GT_VLLM_FORM=1). It keeps the
 // raw x and unpacks it again after the reduction instead of keeping the unpacked values:
 // no spill at 64 registers (8 bytes otherwise; 72 registers uncapped against 80). It
 // still reads F_HF at run time: with the flag known clear, ptxas spilled 32 bytes. In the
