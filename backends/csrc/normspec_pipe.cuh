@@ -934,7 +934,8 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // still reads F_HF at run time: with the flag known clear, ptxas spilled 32 bytes. In the
 // H200 harness on the bench's inputs it took the vllm forward from 375.1 to 373.2 us; the
 // same for the hf convention took 377.4 to 380.1, so that convention keeps the values
-// (bench/results/sweeps/gt_registers.json, build flag NORMSPEC_GT_RAW_X, notes §25).
+// (bench/results/sweeps/gt_registers.json, measured as the build flag NORMSPEC_GT_RAW_X;
+// notes §25).
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, bool GT_VLLM = false>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1016,7 +1017,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
   if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
-  if constexpr (GT && !KEEP) {
+  if constexpr (GT_VLLM) {
     // the raw x as if new, so that the compiler unpacks it again instead of keeping
     // the values of the reduction alive (it emits no instruction)
 #pragma unroll
