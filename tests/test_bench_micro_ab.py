@@ -147,3 +147,31 @@ def test_a_stopped_run_reports_the_runs_that_ended(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert doc["stopped"] and [r["variant"] for r in doc["rows"]] == ["v0"]
     assert [(m["variant"], m["median_us"]) for m in doc["medians"]] == [("v0", {"us": 7.0})]
+
+
+@pytest.mark.parametrize("harness, linked", [("small_backward_ab.cu", True),
+                                             ("row_forward_ab.cu", False),
+                                             ("bwd_variants.cu", False),
+                                             ("fwd_variants.cu", False)])
+def test_launch_units_follow_what_the_harness_includes(harness, linked):
+    """Unasked, the launcher's units are linked to the harnesses that call its entry
+    points (normspec_launch.h), not to those that compile it (normspec_launch_impl.cuh)
+    or use the kernels alone; asked, the answer is kept where it can link."""
+    path = ROOT / "bench" / "micro" / harness
+    assert ab.launch_units_for(path, None) is linked
+    assert ab.launch_units_for(path, False) is False
+    if linked:
+        assert ab.launch_units_for(path, True) is True
+
+
+def test_launch_units_refused_for_a_harness_with_the_launcher(tmp_path, capsys):
+    harness = tmp_path / "own.cu"
+    harness.write_text('#include "micro_util.cuh"\n  #  include "normspec_launch_impl.cuh"\n')
+    with pytest.raises(ValueError, match=r"own\.cu includes normspec_launch_impl\.cuh"):
+        ab.launch_units_for(harness, True)
+    with pytest.raises(SystemExit):
+        ab.main([str(harness), "--launch-units"])
+    assert "leave --launch-units out" in capsys.readouterr().err
+    # a commented-out include does not count
+    harness.write_text('// #include "normspec_launch.h"\nint main() {}\n')
+    assert ab.launch_units_for(harness, None) is False

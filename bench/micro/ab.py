@@ -12,16 +12,18 @@ exits with 1.
 
     python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \\
         --build "" --build=-DNORMSPEC_STREAMING_HINTS=1 --rounds 2 --out ab.json
-    python3 bench/micro/ab.py bench/micro/small_backward_ab.cu --launch-units \\
+    python3 bench/micro/ab.py bench/micro/small_backward_ab.cu \\
         --env "" --env "NORMSPEC_BWD_TEAM=256"
 
 Stopped by SIGTERM (``timeout``) or Ctrl-C while running, it still prints (and writes)
 the medians of the runs that ended, marked as stopped early, and exits with 3.
 
-Flags that start with ``-`` need the ``--build=FLAGS`` spelling. ``--launch-units``
-links the launcher's translation units (``backends/csrc/normspec_launch*.cu``), which
-harnesses that call the shipped launcher's entry points need. Needs ``nvcc``
-(``$CUDA_HOME/bin`` or ``PATH``) and, to run, a CUDA GPU.
+Flags that start with ``-`` need the ``--build=FLAGS`` spelling. The launcher's
+translation units (``backends/csrc/normspec_launch*.cu``) are linked where the harness
+calls the shipped launcher's entry points (it includes ``normspec_launch.h``) and not
+where it compiles the launcher itself (it includes ``normspec_launch_impl.cuh``: linking
+both defines every kernel twice); ``--launch-units`` / ``--no-launch-units`` say it
+explicitly. Needs ``nvcc`` (``$CUDA_HOME/bin`` or ``PATH``) and, to run, a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -123,6 +125,25 @@ def find_nvcc() -> str:
     if found is None:
         raise FileNotFoundError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
     return found
+
+
+def _includes(harness: Path, header: str) -> bool:
+    return re.search(rf'^\s*#\s*include\s+"{re.escape(header)}"', harness.read_text(),
+                     re.MULTILINE) is not None
+
+
+def launch_units_for(harness: Path, asked: bool | None) -> bool:
+    """Whether to link the launcher's units with ``harness``: ``asked`` (``None``: from
+    what it includes). Raises ``ValueError`` where the harness compiles the launcher
+    itself and the units are asked for."""
+    own = _includes(harness, "normspec_launch_impl.cuh")
+    if asked and own:
+        raise ValueError(f"--launch-units: {harness.name} includes normspec_launch_impl.cuh, "
+                         "so it compiles the launcher itself and linking its units would "
+                         "define every kernel twice; leave --launch-units out")
+    if asked is not None:
+        return asked
+    return not own and _includes(harness, "normspec_launch.h")
 
 
 def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Path,
@@ -251,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=None, metavar="'NAME=VALUE ...'",
                    help="run-time variables of one setting (repeatable; default: none)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
-    p.add_argument("--launch-units", action="store_true",
-                   help="link backends/csrc/normspec_launch*.cu")
+    p.add_argument("--launch-units", action=argparse.BooleanOptionalAction, default=None,
+                   help="link backends/csrc/normspec_launch*.cu (default: where the harness "
+                        "includes normspec_launch.h and not normspec_launch_impl.cuh)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     p.add_argument("--out", type=Path, help="write the rows and medians as JSON here")
     args = p.parse_args(argv)
@@ -264,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     builds = args.build if args.build is not None else [""]
     try:
         vs = variants(builds, args.env if args.env is not None else [""])
+        launch_units = launch_units_for(args.harness, args.launch_units)
     except ValueError as exc:
         p.error(str(exc))
     rows: list[dict] = []
@@ -272,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="normspec_ab_") as tmp:
             binaries = build_all(args.harness, list(dict.fromkeys(builds)),
-                                 args.launch_units, Path(tmp), console)
+                                 launch_units, Path(tmp), console)
             run_rounds(binaries, vs, args.rounds, args.timeout, console, rows)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as exc:
         console.print(f"[red]ab: {exc}")
