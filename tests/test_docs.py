@@ -161,6 +161,7 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
                                                      "rows": rows}))
     md, files = bench.benchmarks_page(bench.load_results(tmp_path))
     assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 |" in md
+    assert "ours against the fastest peer" not in md  # no backend here is normspec's
     assert set(files) == {"assets/bench/h200-forward.png", "assets/bench/h200-backward.png"}
     assert all(data.startswith(b"\x89PNG") for data in files.values())
     assert "spread" not in md
@@ -179,6 +180,36 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
     assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 8.00 | 120 | 4.000 | 0.95 |" in md
     assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | — | — | — | — |" in md
     assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
+
+
+def test_ours_against_the_fastest_peer():
+    """Each of our backends per case and direction against the fastest peer (not ours,
+    not the device copy), by device time where every row has one."""
+    def row(backend, direction, us, device_us=None, shape=(64, 2048)):
+        r = {"name": "rms_norm", "shape": list(shape), "backend": backend,
+             "direction": direction, "us": us}
+        return r if device_us is None else {**r, "device_us": device_us}
+
+    rows = [row("torch.compile (transformers)", "forward", 5.0, 4.0),
+            row("liger", "forward", 4.0, 4.4),
+            row("device copy (same bytes)", "forward", 1.0, 1.0),
+            row("normspec torch_ext", "forward", 6.0, 3.6),
+            row("normspec cupy", "forward", 9.0, 5.0),
+            row("normspec torch_ext", "backward", 7.0, 7.0),  # no peer: no line
+            row("fla", "forward", 30.0, 30.0, shape=(4096, 2048))]  # no ours: no line
+    lines = bench.against_fastest_peer(rows)
+    assert lines[0].startswith("| case | shape | direction | ours | device µs |")
+    assert lines[2] == ("| `rms_norm` | 64×2048 | forward | `normspec torch_ext` | 3.60 "
+                        "| `torch.compile (transformers)` | 4.00 | -10.0% |")
+    assert lines[3] == ("| `rms_norm` | 64×2048 | forward | `normspec cupy` | 5.00 "
+                        "| `torch.compile (transformers)` | 4.00 | +25.0% |")
+    assert lines[4] == ""
+    # without a device time on every row, the call times decide (liger is then fastest)
+    del rows[0]["device_us"]
+    lines = bench.against_fastest_peer(rows)
+    assert "| µs | fastest peer | µs |" in lines[0]
+    assert lines[2].endswith("| `liger` | 4.00 | +50.0% |")
+    assert bench.against_fastest_peer([row("liger", "forward", 4.0)]) == []
 
 
 def test_readme_quickstart_is_the_readme_block():
