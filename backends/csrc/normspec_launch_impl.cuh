@@ -448,14 +448,18 @@ bool use_gate_table(const LaunchArgs& a) {
   return wants_gate_table(OP, IsBf16<T>::value, a);
 }
 
-// The weight pointer a pipelined kernel gets, with F_W_RAW where it holds the input dtype.
-// Call it in a statement of its own before the launch: it sets a.flags, and the
-// arguments of one launch are evaluated in no fixed order (3a3ec32's experiment passed
-// it next to a.flags and its kernel read a bf16 weight as fp32).
-inline const void* pipe_weight(LaunchArgs& a) {
-  if (a.w_in_dtype == nullptr) return a.w;
+// Sets `w` to the weight a pipelined kernel reads, and F_W_RAW in a.flags where that is
+// the weight in the input dtype. It returns nothing so that it cannot sit in a launch's
+// argument list next to a.flags: arguments are evaluated in no fixed order, and two
+// experiments that called the former pointer-returning form there read a bf16 weight as
+// fp32 (3a3ec32, f144765; notes/perf.md §22, §25).
+inline void take_pipe_weight(LaunchArgs& a, const void*& w) {
+  if (a.w_in_dtype == nullptr) {
+    w = a.w;
+    return;
+  }
   a.flags |= F_W_RAW;
-  return a.w_in_dtype;
+  w = a.w_in_dtype;
 }
 // Let `kernel` use all the dynamic shared memory the device allows a block
 // (past 48 KiB, static included, a kernel must opt in). Always the same value,
@@ -490,7 +494,8 @@ void allow_smem_once(K kernel, bool (&done)[64]) {
 }
 template <int OP, typename T, int NP, int FULL_TL>
 void launch_fwd_pipe(LaunchArgs a, const PipeGeometry& g, bool table, cudaStream_t stream) {
-  const void* w = pipe_weight(a);
+  const void* w = nullptr;
+  take_pipe_weight(a, w);
   static int occ[9][2] = {{0}};
   static bool opted[64] = {false};
   constexpr int VEC = VecOf<T>::value;
@@ -553,7 +558,8 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
 template <int OP, typename T, int NP, int FULL_TL, bool GT = false, bool GT_VLLM = false>
 void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
                 const float* gtab = nullptr) {
-  const void* w = pipe_weight(a);
+  const void* w = nullptr;
+  take_pipe_weight(a, w);
   const int block = row_block(g, a.rows);
   const unsigned grid = grid_for(a.rows, block >> g.team_log);
   normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT, GT_VLLM><<<grid, block, 0, stream>>>(
@@ -695,7 +701,8 @@ bool bwd_gate_table(const LaunchArgs& a, const BackwardPlan& plan) {
 
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaStream_t stream) {
-  const void* w = pipe_weight(a);
+  const void* w = nullptr;
+  take_pipe_weight(a, w);
   static int occ[9][MAX_FORCED_GLOG + 1][2] = {{{0}}};
   PipeGeometry g;
   g.team_log = plan.team_log;
@@ -728,7 +735,8 @@ inline bool bwd_row_enabled() {
 
 template <typename T, int NP, int FULL_TL, bool SAVED>
 void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
-  const void* w = pipe_weight(a);  // sets F_W_RAW in a.flags: call it before the launch
+  const void* w = nullptr;
+  take_pipe_weight(a, w);  // sets F_W_RAW in a.flags
   PipeGeometry g;
   g.team_log = FULL_TL;
   g.np = NP;
