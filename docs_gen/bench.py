@@ -143,12 +143,18 @@ def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     return buf.getvalue()
 
 
+#: The device copy's row in ``bench/run.py``'s results: a reference, not a peer.
+REFERENCE_BACKEND = "device copy (same bytes)"
+
+
+# ours and peers as ``bench/repeat.py``'s ``rank`` tells them apart, so that the page and
+# the multi-process ranking compare the same backends
 def _is_ours(backend: str) -> bool:
-    return backend.startswith("normspec")
+    return "normspec" in backend
 
 
 def _is_peer(backend: str) -> bool:
-    return not _is_ours(backend) and not backend.startswith("device copy")
+    return not _is_ours(backend) and backend != REFERENCE_BACKEND
 
 
 def against_fastest_peer(rows: Sequence[Mapping[str, Any]]) -> list[str]:
