@@ -1348,14 +1348,12 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // The same device functions compute every value, so the bits are the pipelined
 // kernel's. ws: row r's dweight contributions at ws[r * H] (fp32), or with F_DW_FINAL
 // (one row) dweight itself, H values of T. SAVED: rstd_in holds the forward's rstd.
-// NORMSPEC_BWD_ROW_PER_BLOCK=1 (build time, experiment): teams of 64 and more lanes are
-// whole blocks, one per row (launch_bwd_row), so the row is blockIdx.x and every team
-// has one; this form drops the 64-bit team arithmetic and the past-the-end guards before
-// the first load (ncu: that load came at SASS 59, torch.compile's after about 15;
-// notes §25).
-#ifndef NORMSPEC_BWD_ROW_PER_BLOCK
-#define NORMSPEC_BWD_ROW_PER_BLOCK 0
-#endif
+// Teams of 64 and more lanes are whole blocks, one per row (launch_bwd_row), so their
+// row is blockIdx.x and every team has one: no 64-bit team arithmetic and no past-the-end
+// guards before the first load (ncu had that load at SASS 59, torch.compile's after about
+// 15; cuobjdump: 38 now). H200 harness, 3 rounds, equal hashes: 64 x 2048 backward
+// 6.82 -> 6.62 us, 1 x 2048 3.94 -> 3.84 (both within 3.74-3.94 in single rounds), large
+// rows level (bench/results/sweeps/bwd_row_per_block.json, notes §26).
 template <typename T, int NP, int FULL_TL, bool SAVED>
 __global__ void __launch_bounds__(256)
     normspec_bwd_row_kernel(const T* __restrict__ x, const void* __restrict__ w,
@@ -1369,7 +1367,7 @@ __global__ void __launch_bounds__(256)
   constexpr int S = VEC << FULL_TL;
   constexpr int H = NP * S;  // a power of two: the row's tree has no padding
   __shared__ float red[2][NP * 32];
-  constexpr bool PER_BLOCK = NORMSPEC_BWD_ROW_PER_BLOCK && FULL_TL >= 6;
+  constexpr bool PER_BLOCK = FULL_TL >= 6;
   const Team tm = make_team(FULL_TL);
   const int tcol = tm.lane * VEC;  // (the mask tells the compiler tcol < H)
   const long long row = PER_BLOCK ? static_cast<long long>(blockIdx.x) : tm.slot;
