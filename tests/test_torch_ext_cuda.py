@@ -512,9 +512,9 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     if os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "0":
         kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
     else:
-        # the vllm convention's own form with NORMSPEC_GT_VLLM_FORM=1
+        # the vllm convention's own form unless NORMSPEC_GT_VLLM_FORM=0
         own = (params["convention"] == "vllm"
-               and os.environ.get("NORMSPEC_GT_VLLM_FORM") == "1")
+               and os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0")
         form = "(true|1)" if own else "(false|0)"
         kernel = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {form}>")
     assert any(kernel.search(n) for n in names), names
@@ -547,12 +547,12 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_1"])
+@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
-    gate table in global memory (the vllm convention in a form of its own with
-    ``NORMSPEC_GT_VLLM_FORM=1``), with ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent
+    gate table in global memory (the vllm convention in a form of its own, or in the form
+    of both with ``NORMSPEC_GT_VLLM_FORM=0``), with ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent
     kernel with a table per block (the profiler shows which kernel ran); the same holds
     for a bf16 weight, for a tail of fewer rows than a warp's teams, for rows apart in
     memory and for the forward that saves rstd; and a first use inside a CUDA graph
@@ -568,8 +568,8 @@ def test_gated_forward_every_gate_per_table(row_table):
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER"}
     env.pop("NORMSPEC_GATED_ROW_TABLE", None)
     env.pop("NORMSPEC_GT_VLLM_FORM", None)
-    if row_table == "vllm_form_1":
-        env["NORMSPEC_GT_VLLM_FORM"] = "1"
+    if row_table == "vllm_form_0":
+        env["NORMSPEC_GT_VLLM_FORM"] = "0"
     elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,

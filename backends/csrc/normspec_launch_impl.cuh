@@ -25,8 +25,8 @@
 //                                with a gate table per block in shared memory, instead
 //                                of one row per team reading a table in global memory;
 //                                forward_row_with_global_table)
-//   NORMSPEC_GT_VLLM_FORM=1  (the vllm convention's GT forward in a form of its own, not
-//                             the one of both conventions; gt_vllm_form_enabled)
+//   NORMSPEC_GT_VLLM_FORM=0  (the vllm convention's GT forward in the form of both
+//                             conventions, not in its own; gt_vllm_form_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -618,11 +618,12 @@ const float* global_gate_table(bool sig, cudaStream_t stream) {
   }
   return tab;
 }
-// NORMSPEC_GT_VLLM_FORM=1: the GT forward of the vllm convention in its own form
-// (normspec_fwd_row_kernel's GT_VLLM) instead of the form of both conventions. Off until
-// the bench has timed it (prepared when no GPU was left, notes §25).
+// The GT forward of the vllm convention in its own form (normspec_fwd_row_kernel's
+// GT_VLLM) unless NORMSPEC_GT_VLLM_FORM=0, which gives it the form of both conventions.
+// The bench on the H200, alternating processes: vllm forward 375.9-376.0 us against
+// 378.1 (bench/results/probes/gt_vllm_form_bench_0df18fa.txt, notes §26).
 inline bool gt_vllm_form_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_VLLM_FORM", '1');
+  static const bool on = !switched_off("NORMSPEC_GT_VLLM_FORM");
   return on;
 }
 

@@ -928,14 +928,14 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
              : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
                                               : NORMSPEC_ROW_MIN_BLOCKS;
 }
-// GT_VLLM (with GT): a form for the vllm convention (NORMSPEC_GT_VLLM_FORM=1). It keeps the
-// raw x and unpacks it again after the reduction instead of keeping the unpacked values:
-// no spill at 64 registers (8 bytes otherwise; 72 registers uncapped against 80). It
-// still reads F_HF at run time: with the flag known clear, ptxas spilled 32 bytes. In the
-// H200 harness on the bench's inputs it took the vllm forward from 375.1 to 373.2 us; the
-// same for the hf convention took 377.4 to 380.1, so that convention keeps the values
-// (bench/results/sweeps/gt_registers.json, measured as the build flag NORMSPEC_GT_RAW_X;
-// notes §25).
+// GT_VLLM (with GT): the vllm convention's form (NORMSPEC_GT_VLLM_FORM=0 turns it off).
+// It keeps the raw x and unpacks it again after the reduction instead of keeping the
+// unpacked values: no spill at 64 registers (8 bytes otherwise; 72 registers uncapped
+// against 80). It still reads F_HF at run time: with the flag known clear, ptxas spilled
+// 32 bytes. On the H200, bench inputs: harness 375.1 -> 373.2 us (the same for the hf
+// convention 377.4 -> 380.1, so that convention keeps the values;
+// bench/results/sweeps/gt_registers.json, as the build flag NORMSPEC_GT_RAW_X), bench
+// 378.1 -> 375.9-376.0 (probes/gt_vllm_form_bench_0df18fa.txt; notes §25, §26).
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, bool GT_VLLM = false>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
