@@ -62,7 +62,16 @@ the same bits; these variables only change speed (read once per process):
   forward's is given;
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
   have at most 32 lanes (a power of two, 32..256; default 256, or one warp for
-  launches of at least 8 waves of the device's resident threads).
+  launches of at least 8 waves of the device's resident threads);
+* ``NORMSPEC_BWD_ROW=0``: rms backward launches of full rows whose plan gives every
+  row a dweight group of its own (launches too small to fill the GPU, such as
+  1 x 2048 or 4096 x 256) run the pipelined kernel instead of the one-row kernel,
+  which gives each team one row, no loop and no shared-memory stacks (on an H200,
+  1 x 2048 bf16: one 1.63 us kernel against 1.92-1.98);
+* ``NORMSPEC_GT_VLLM_FORM=0``: the large bf16 gated forward of the vLLM convention
+  runs the form it shares with the transformers convention (which keeps the unpacked
+  input in registers through the row's reduction) instead of its own (which unpacks
+  the raw input again; on an H200, 2**21 x 128: 376 us against 378).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
