@@ -1421,3 +1421,68 @@ __global__ void __launch_bounds__(256)
     }
   }
 }
+
+// ---- the one-row backward in quarter vectors (experiment, NORMSPEC_BWD_ROW4=1) ------
+// torch.compile's 1 x 2048 bf16 backward spreads the row over 16 warps of 4 elements
+// (bench/results/ncu/triton_small_backward_sass_H200.txt, 176 SASS); the one-row kernel
+// above gives 128 threads 16 elements each (392 SASS), and with one warp per
+// sub-partition nothing hides that longer chain (notes §26). This form gives each of
+// 2**QTL threads (the block, one per row) four elements in 8-byte loads and stores: rows
+// of 16-bit T with H = 4 << QTL, the forward's rstd given. The device functions and the
+// tree are the one-row kernel's (the row's perfect tree: four elements in the thread,
+// then lanes, then warps), so the bits are too.
+template <typename T>
+__device__ __forceinline__ uint2 load_row_quarter(const T* __restrict__ p) {
+  uint2 v;  // plain ld.global, as load_row_vector
+  asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void unpack_quarter(const uint2& u, float (&v)[4]) {
+  const uint4 w = make_uint4(u.x, u.y, 0u, 0u);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = normspec::RawBits<T>::get(w, j);
+}
+template <typename T>
+__device__ __forceinline__ void store_row_quarter(T* __restrict__ p, const float (&v)[4]) {
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(normspec::RawBits<T>::put2(v[0], v[1]), normspec::RawBits<T>::put2(v[2], v[3]));
+}
+
+template <typename T, int QTL>
+__global__ void __launch_bounds__(1 << QTL)
+    normspec_bwd_row4_kernel(const T* __restrict__ x, const void* __restrict__ w,
+                             const T* __restrict__ dy, T* __restrict__ dx,
+                             float* __restrict__ ws, long long sx, long long sdy, long long sdx,
+                             float offset, int flags, const float* __restrict__ rstd_in) {
+  using namespace normspec;
+  static_assert(sizeof(T) == 2, "16-bit rows: four elements in 8 bytes");
+  static_assert(QTL >= 5 && QTL <= 10, "a block of whole warps");
+  constexpr int Q = 4;
+  constexpr int H = Q << QTL;  // a power of two: the row's tree has no padding
+  __shared__ float red[32];
+  const long long row = blockIdx.x;
+  const int tcol = static_cast<int>(threadIdx.x) * Q;
+  // chained tree launches follow (normspec::chained_launches): they wait for this grid
+  if (flags & F_LET_DEPENDENTS) let_dependents_launch();
+  const float rstd = __ldg(rstd_in + row);
+  const uint2 hx = load_row_quarter(x + row * sx + tcol);
+  const uint2 hdy = load_row_quarter(dy + row * sdy + tcol);
+  float g[Q];
+  weight_factors<OP_RMS, T, Q>(w, tcol, H, offset, flags, g);
+  float v[Q], dyv[Q], dxh[Q], c[Q], prod[Q];
+  unpack_quarter<T>(hx, v);
+  unpack_quarter<T>(hdy, dyv);
+  norm_backward_vec<Q>(v, dyv, g, rstd, dxh, c, prod);
+  float part[1] = {local_tree<Q>(prod, H)};
+  // the row's group of one: its contributions are the group's tree
+  if (flags & F_DW_FINAL)
+    store_row_quarter(reinterpret_cast<T*>(ws) + tcol, c);
+  else
+    *reinterpret_cast<float4*>(ws + row * H + tcol) = make_float4(c[0], c[1], c[2], c[3]);
+  team_reduce<1, Q>(part, static_cast<long long>(H), red);
+  const float m = div_by_count(part[0], H);
+  float out[Q];
+  dx_of_vec<Q>(v, dxh, rstd, m, out);
+  store_row_quarter(dx + row * sdx + tcol, out);
+}
