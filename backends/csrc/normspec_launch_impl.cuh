@@ -27,6 +27,8 @@
 //                                forward_row_with_global_table)
 //   NORMSPEC_GT_VLLM_FORM=0  (the vllm convention's GT forward in the form of both
 //                             conventions, not in its own; gt_vllm_form_enabled)
+//   NORMSPEC_GT_HF_FORM=1  (experiment: the transformers convention's GT forward with its
+//                           convention and weight dtype as constants; gt_hf_form_enabled)
 //   NORMSPEC_BWD_ROW4=1  (experiment: the one-row rms backward of 2048-element 16-bit rows
 //                         in 512 threads of four elements; bwd_row4_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
@@ -557,14 +559,14 @@ void forward_pipe_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t str
   launch_fwd_pipe<OP, T, NP, -1>(a, g, table, stream);
 }
 
-template <int OP, typename T, int NP, int FULL_TL, bool GT = false, bool GT_VLLM = false>
+template <int OP, typename T, int NP, int FULL_TL, bool GT = false, int GTF = 0>
 void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
                 const float* gtab = nullptr) {
   const void* w = nullptr;
   take_pipe_weight(a, w);
   const int block = row_block(g, a.rows);
   const unsigned grid = grid_for(a.rows, block >> g.team_log);
-  normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT, GT_VLLM><<<grid, block, 0, stream>>>(
+  normspec_fwd_row_kernel<OP, T, NP, FULL_TL, GT, GTF><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<T*>(a.y),
       static_cast<T*>(a.y2), a.rows, a.H, a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
       g.team_log, a.rstd_out, gtab);
@@ -628,6 +630,19 @@ inline bool gt_vllm_form_enabled() {
   static const bool on = !switched_off("NORMSPEC_GT_VLLM_FORM");
   return on;
 }
+// NORMSPEC_GT_HF_FORM=1 (experiment, off until timed): the GT forward of the transformers
+// convention with its convention and weight dtype as constants (normspec_fwd_row_kernel's
+// GTF 2 and 3), so that its extra roundings are not behind run-time flags.
+inline bool gt_hf_form_enabled() {
+  static const bool on = env_is("NORMSPEC_GT_HF_FORM", '1');
+  return on;
+}
+// The GT form of a launch (normspec_fwd_row_kernel's GTF).
+inline int gt_form_of(const LaunchArgs& a) {
+  if (!(a.flags & F_HF)) return gt_vllm_form_enabled() ? 1 : 0;
+  if (!gt_hf_form_enabled()) return 0;
+  return (a.flags & F_W_IS_INPUT) ? 3 : 2;
+}
 
 // The gated forward through the global table where it is not switched off and the row
 // geometry is a two-pass constant form (rows of 64..1024 bf16); returns whether it ran.
@@ -642,12 +657,18 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
     if (g.np != 2 || !fills_team<T, 2>(a.H, g.team_log)) return false;
     const float* tab = global_gate_table<T>((a.flags & F_SIGMOID) != 0, stream);
     if (tab == nullptr) return false;
-    const bool vllm_form = !(a.flags & F_HF) && gt_vllm_form_enabled();
+    const int form = gt_form_of(a);
     return with_team_log<2, 6>(g.team_log, [&](auto tl) {
-      if (vllm_form) {
-        launch_row<OP, T, 2, decltype(tl)::value, true, true>(a, g, stream, tab);
-      } else {
-        launch_row<OP, T, 2, decltype(tl)::value, true>(a, g, stream, tab);
+      constexpr int TL = decltype(tl)::value;
+      switch (form) {
+        case 1:
+          return launch_row<OP, T, 2, TL, true, 1>(a, g, stream, tab);
+        case 2:
+          return launch_row<OP, T, 2, TL, true, 2>(a, g, stream, tab);
+        case 3:
+          return launch_row<OP, T, 2, TL, true, 3>(a, g, stream, tab);
+        default:
+          return launch_row<OP, T, 2, TL, true, 0>(a, g, stream, tab);
       }
     });
   } else {

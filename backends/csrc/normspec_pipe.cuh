@@ -936,7 +936,11 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // convention 377.4 -> 380.1, so that convention keeps the values;
 // bench/results/sweeps/gt_registers.json, as the build flag NORMSPEC_GT_RAW_X), bench
 // 378.1 -> 375.9-376.0 (probes/gt_vllm_form_bench_0df18fa.txt; notes §25, §26).
-template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, bool GT_VLLM = false>
+// The GT forms (GTF, with GT): 0 the form of both conventions (flags read at run time),
+// 1 the vllm convention's own (GT_VLLM above), and, an experiment (NORMSPEC_GT_HF_FORM=1),
+// 2 / 3 the transformers convention with its roundings as constants: F_HF set and
+// F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype).
+template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
                             const void* __restrict__ w, T* __restrict__ y,
@@ -1008,7 +1012,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
   // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
   // form.
-  static_assert(!GT_VLLM || GT, "GT_VLLM is a form of the GT path");
+  static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
+  constexpr bool GT_VLLM = GTF == 1;
+  if constexpr (GTF >= 2) flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 ? F_W_IS_INPUT : 0);
   constexpr bool KEEP = TWO && !GT_VLLM;
   float v[NP][VEC];
 #pragma unroll
