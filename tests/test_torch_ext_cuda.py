@@ -412,66 +412,6 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
         assert len(names) == 1 and kernel in names[0], names
 
 
-# ---- the one-row backward in quarter vectors (NORMSPEC_BWD_ROW4=1, an experiment) ----------
-# The switch is read once per process, so the child runs with it set.
-ROW4_CHILD = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import torch
-import test_torch_ext_cuda as t
-from _torch_ext_cases import VARIANTS, assert_bits, ext_backward, ext_forward_with_rstd
-from _torch_ext_cases import make_case, spec_backward
-t.te.build()
-rms = [v for v in VARIANTS if v[0] == "rms_norm"]
-for dtype in (torch.bfloat16, torch.float16):
-    for wdtype in (dtype, torch.float32):
-        for rows_n in (1, 3, 64):
-            for seed, (op, params) in enumerate(rms):
-                shape = (rows_n, 2048)
-                t.check_case(op, params, shape, dtype, wdtype, seed, specials=True)
-                rows, weight, grads = make_case(op, params, shape, dtype, wdtype, seed + 40,
-                                                specials=False)
-                cw = weight.cuda()
-                # rows apart in memory (16-byte aligned row stride), as a projection's split
-                wide = {k: torch.zeros(rows_n, 2048 + 8, dtype=dtype, device="cuda")
-                        for k in ("x", "dy")}
-                wide["x"][:, :2048] = rows["x"]
-                wide["dy"][:, :2048] = grads[0]
-                crows, cgrads = {"x": wide["x"][:, :2048]}, [wide["dy"][:, :2048]]
-                *_, rstd = ext_forward_with_rstd(op, crows, cw, t.EPS, params)
-                names = t.cuda_kernel_names(lambda: ext_backward(op, cgrads, crows, cw, t.EPS,
-                                                                 params, rstd=rstd))
-                assert any("normspec_bwd_row4_kernel" in n for n in names), names
-                got = ext_backward(op, cgrads, crows, cw, t.EPS, params, rstd=rstd)
-                want = spec_backward(op, grads, rows, weight, t.EPS, params)
-                for name, g, w in zip(("dx", "dweight"), got, want, strict=True):
-                    assert_bits(g, w, f"strided {name} {params} {rows_n} {dtype}/{wdtype}")
-                # without the saved rstd the recomputing one-row kernel runs
-                names = t.cuda_kernel_names(lambda: ext_backward(op, cgrads, crows, cw, t.EPS,
-                                                                 params))
-                assert not any("normspec_bwd_row4_kernel" in n for n in names), names
-print("ok")
-"""
-
-
-def test_one_row_backward_quarter_vectors():
-    """With ``NORMSPEC_BWD_ROW4=1`` the one-row rms backward of 2048-element 16-bit rows
-    with the forward's rstd runs 512 threads of four elements (the profiler shows it
-    ran), and its dx and dweight are the spec's bits: bf16 and fp16, weights of the
-    input dtype and fp32, 1, 3 and 64 rows, specials, and rows apart in memory."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parent)
-    env = {**os.environ, "NORMSPEC_BWD_ROW4": "1"}
-    done = subprocess.run([sys.executable, "-c", ROW4_CHILD, tests], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
-        f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-
-
 # ---- the pipelined kernels under every geometry override ------------------------------
 # The overrides are read once per process, so each setting runs in a child process.
 OVERRIDE_CHILD = r"""

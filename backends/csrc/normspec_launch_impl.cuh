@@ -29,8 +29,6 @@
 //                             conventions, not in its own; gt_vllm_form_enabled)
 //   NORMSPEC_GT_HF_FORM=1  (experiment: the transformers convention's GT forward with its
 //                           convention and weight dtype as constants; gt_hf_form_enabled)
-//   NORMSPEC_BWD_ROW4=1  (experiment: the one-row rms backward of 2048-element 16-bit rows
-//                         in 512 threads of four elements; bwd_row4_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -757,23 +755,6 @@ inline bool bwd_row_enabled() {
   return on;
 }
 
-// NORMSPEC_BWD_ROW4=1 (experiment, off until timed in three bench processes): the one-row
-// rms backward of 2048-element 16-bit rows with the forward's rstd in quarter vectors,
-// 512 threads of four elements (normspec_bwd_row4_kernel), as torch.compile's kernel.
-inline bool bwd_row4_enabled() {
-  static const bool on = env_is("NORMSPEC_BWD_ROW4", '1');
-  return on;
-}
-
-template <typename T, int QTL>
-void launch_bwd_row4(LaunchArgs a, float* ws, cudaStream_t stream) {
-  const void* w = nullptr;
-  take_pipe_weight(a, w);  // sets F_W_RAW in a.flags
-  normspec_bwd_row4_kernel<T, QTL><<<grid_for(a.rows, 1), 1u << QTL, 0, stream>>>(
-      static_cast<const T*>(a.x), w, static_cast<const T*>(a.dy), static_cast<T*>(a.y), ws,
-      a.sx, a.sdy, a.sy, a.offset, a.flags, a.rstd_in);
-}
-
 template <typename T, int NP, int FULL_TL, bool SAVED>
 void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
   const void* w = nullptr;
@@ -800,10 +781,6 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
   if constexpr (OP == OP_RMS && FULL_TL >= 0) {
     if (plan.glog == 0 && bwd_row_enabled()) {
-      if constexpr (sizeof(T) == 2 && (NP * VecOf<T>::value << FULL_TL) == 2048) {
-        if (saved_rstd(a) != nullptr && bwd_row4_enabled())
-          return launch_bwd_row4<T, 9>(a, ws, stream);
-      }
       if (saved_rstd(a) != nullptr) return launch_bwd_row<T, NP, FULL_TL, true>(a, ws, stream);
       return launch_bwd_row<T, NP, FULL_TL, false>(a, ws, stream);
     }

@@ -74,10 +74,7 @@ the same bits; these variables only change speed (read once per process):
   the raw input again; on an H200, 2**21 x 128: 376 us against 378);
 * ``NORMSPEC_GT_HF_FORM=1`` (an experiment, not yet timed): the large bf16 gated
   forward of the transformers convention runs a form with that convention and the
-  weight's dtype as compile-time constants instead of flags read at run time;
-* ``NORMSPEC_BWD_ROW4=1`` (an experiment, not yet timed): the one-row rms backward of
-  2048-element 16-bit rows with the forward's rstd runs 512 threads of four elements
-  each, as torch.compile's kernel does, instead of 128 threads of sixteen.
+  weight's dtype as compile-time constants instead of flags read at run time.
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
