@@ -513,12 +513,12 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
         kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
     else:
         # the vllm convention's own form unless NORMSPEC_GT_VLLM_FORM=0; the transformers
-        # convention's with its constants (2: this fp32 weight) with NORMSPEC_GT_HF_FORM=1
+        # convention's with its constants (2: this fp32 weight) unless NORMSPEC_GT_HF_FORM=0
         if params["convention"] == "vllm":
             own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
             form = "(true|1)" if own else "(false|0)"
         else:
-            form = "2" if os.environ.get("NORMSPEC_GT_HF_FORM") == "1" else "(false|0)"
+            form = "(false|0)" if os.environ.get("NORMSPEC_GT_HF_FORM") == "0" else "2"
         kernel = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {form}>")
     assert any(kernel.search(n) for n in names), names
     got = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
@@ -528,7 +528,7 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     got = t.ext_forward("rms_norm_gated", crows, cw.to(torch.bfloat16), t.EPS, params)
     t.assert_bits(got[0], t.spec_forward("rms_norm_gated", rows, w.to(torch.bfloat16), t.EPS,
                                          params)[0], f"bf16 weight {params}")
-    if params["convention"] == "hf" and os.environ.get("NORMSPEC_GT_HF_FORM") == "1":
+    if params["convention"] == "hf" and os.environ.get("NORMSPEC_GT_HF_FORM") != "0":
         # a weight of the input dtype: the form with F_W_IS_INPUT as a constant too
         names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
                                                           cw.to(torch.bfloat16), t.EPS, params))
@@ -556,13 +556,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_1"])
+@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory (the vllm convention in a form of its own, or in the form
     of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
-    its constants with ``NORMSPEC_GT_HF_FORM=1``), with ``NORMSPEC_GATED_ROW_TABLE=0``
+    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``), with ``NORMSPEC_GATED_ROW_TABLE=0``
     the persistent kernel with a table per block (the profiler shows which kernel ran);
     the same holds
     for a bf16 weight, for a tail of fewer rows than a warp's teams, for rows apart in
@@ -582,8 +582,8 @@ def test_gated_forward_every_gate_per_table(row_table):
     env.pop("NORMSPEC_GT_HF_FORM", None)
     if row_table == "vllm_form_0":
         env["NORMSPEC_GT_VLLM_FORM"] = "0"
-    elif row_table == "hf_form_1":
-        env["NORMSPEC_GT_HF_FORM"] = "1"
+    elif row_table == "hf_form_0":
+        env["NORMSPEC_GT_HF_FORM"] = "0"
     elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,

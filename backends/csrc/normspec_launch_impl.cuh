@@ -27,8 +27,8 @@
 //                                forward_row_with_global_table)
 //   NORMSPEC_GT_VLLM_FORM=0  (the vllm convention's GT forward in the form of both
 //                             conventions, not in its own; gt_vllm_form_enabled)
-//   NORMSPEC_GT_HF_FORM=1  (experiment: the transformers convention's GT forward with its
-//                           convention and weight dtype as constants; gt_hf_form_enabled)
+//   NORMSPEC_GT_HF_FORM=0  (the transformers convention's GT forward in the form of both
+//                           conventions, not in its own; gt_hf_form_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -628,11 +628,13 @@ inline bool gt_vllm_form_enabled() {
   static const bool on = !switched_off("NORMSPEC_GT_VLLM_FORM");
   return on;
 }
-// NORMSPEC_GT_HF_FORM=1 (experiment, off until timed): the GT forward of the transformers
-// convention with its convention and weight dtype as constants (normspec_fwd_row_kernel's
-// GTF 2 and 3), so that its extra roundings are not behind run-time flags.
+// The GT forward of the transformers convention with its convention and weight dtype as
+// constants (normspec_fwd_row_kernel's GTF 2 and 3), so that its extra roundings are not
+// behind run-time flags, unless NORMSPEC_GT_HF_FORM=0. The bench on the H200, alternating
+// processes: hf forward 378.3-378.8 us against 379.6-379.7 for the form of both
+// (bench/results/probes/gt_hf_form_bench_a6db87b.txt, notes §27).
 inline bool gt_hf_form_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_HF_FORM", '1');
+  static const bool on = !switched_off("NORMSPEC_GT_HF_FORM");
   return on;
 }
 // The GT form of a launch (normspec_fwd_row_kernel's GTF).

@@ -937,9 +937,10 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // bench/results/sweeps/gt_registers.json, as the build flag NORMSPEC_GT_RAW_X), bench
 // 378.1 -> 375.9-376.0 (probes/gt_vllm_form_bench_0df18fa.txt; notes §25, §26).
 // The GT forms (GTF, with GT): 0 the form of both conventions (flags read at run time),
-// 1 the vllm convention's own (GT_VLLM above), and, an experiment (NORMSPEC_GT_HF_FORM=1),
-// 2 / 3 the transformers convention with its roundings as constants: F_HF set and
-// F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype).
+// 1 the vllm convention's own (GT_VLLM above), 2 / 3 the transformers convention's own
+// (NORMSPEC_GT_HF_FORM=0 turns them off), with its roundings as constants: F_HF set and
+// F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype). Bench, H200:
+// hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,

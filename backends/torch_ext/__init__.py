@@ -72,9 +72,10 @@ the same bits; these variables only change speed (read once per process):
   runs the form it shares with the transformers convention (which keeps the unpacked
   input in registers through the row's reduction) instead of its own (which unpacks
   the raw input again; on an H200, 2**21 x 128: 376 us against 378);
-* ``NORMSPEC_GT_HF_FORM=1`` (an experiment, not yet timed): the large bf16 gated
-  forward of the transformers convention runs a form with that convention and the
-  weight's dtype as compile-time constants instead of flags read at run time.
+* ``NORMSPEC_GT_HF_FORM=0``: the large bf16 gated forward of the transformers
+  convention runs the form it shares with the vLLM convention (flags read at run time)
+  instead of its own (the convention and the weight's dtype as compile-time constants;
+  on an H200, 2**21 x 128: 378.3-378.8 us against 379.6-379.7).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
