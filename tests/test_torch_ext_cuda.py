@@ -518,9 +518,7 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
             own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
             form = "(true|1)" if own else "(false|0)"
         else:
-            raw = os.environ.get("NORMSPEC_GT_HF_RAW_X") == "1"
-            form = ("(false|0)" if os.environ.get("NORMSPEC_GT_HF_FORM") == "0"
-                    else "4" if raw else "2")
+            form = "(false|0)" if os.environ.get("NORMSPEC_GT_HF_FORM") == "0" else "2"
         kernel = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {form}>")
     assert any(kernel.search(n) for n in names), names
     got = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
@@ -534,8 +532,7 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
         # a weight of the input dtype: the form with F_W_IS_INPUT as a constant too
         names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
                                                           cw.to(torch.bfloat16), t.EPS, params))
-        w16_form = "5" if os.environ.get("NORMSPEC_GT_HF_RAW_X") == "1" else "3"
-        w16 = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {w16_form}>")
+        w16 = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), 3>")
         assert any(w16.search(n) for n in names), names
     # fewer rows than a multiple of a warp's teams, and rows apart in memory (x and the
     # gate as halves of wider rows, as a projection's split gives them)
@@ -559,15 +556,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0",
-                                       "hf_raw_x_1"])
+@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory (the vllm convention in a form of its own, or in the form
     of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
-    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``, or unpacking
-    the raw input again with ``NORMSPEC_GT_HF_RAW_X=1``), with ``NORMSPEC_GATED_ROW_TABLE=0``
+    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``), with ``NORMSPEC_GATED_ROW_TABLE=0``
     the persistent kernel with a table per block (the profiler shows which kernel ran);
     the same holds
     for a bf16 weight, for a tail of fewer rows than a warp's teams, for rows apart in
@@ -585,13 +580,10 @@ def test_gated_forward_every_gate_per_table(row_table):
     env.pop("NORMSPEC_GATED_ROW_TABLE", None)
     env.pop("NORMSPEC_GT_VLLM_FORM", None)
     env.pop("NORMSPEC_GT_HF_FORM", None)
-    env.pop("NORMSPEC_GT_HF_RAW_X", None)
     if row_table == "vllm_form_0":
         env["NORMSPEC_GT_VLLM_FORM"] = "0"
     elif row_table == "hf_form_0":
         env["NORMSPEC_GT_HF_FORM"] = "0"
-    elif row_table == "hf_raw_x_1":
-        env["NORMSPEC_GT_HF_RAW_X"] = "1"
     elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,

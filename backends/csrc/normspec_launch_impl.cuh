@@ -29,8 +29,6 @@
 //                             conventions, not in its own; gt_vllm_form_enabled)
 //   NORMSPEC_GT_HF_FORM=0  (the transformers convention's GT forward in the form of both
 //                           conventions, not in its own; gt_hf_form_enabled)
-//   NORMSPEC_GT_HF_RAW_X=1  (experiment: that convention's own GT forms unpack the raw x
-//                            again after the reduction; gt_hf_raw_x_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -639,19 +637,11 @@ inline bool gt_hf_form_enabled() {
   static const bool on = !switched_off("NORMSPEC_GT_HF_FORM");
   return on;
 }
-// NORMSPEC_GT_HF_RAW_X=1 (experiment, off until timed): the transformers convention's
-// own GT forms unpack the raw x again after the reduction, as the vllm form does
-// (normspec_fwd_row_kernel's GTF 4 and 5): with the flags as constants, the form may no
-// longer spill where the shared form did.
-inline bool gt_hf_raw_x_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_HF_RAW_X", '1');
-  return on;
-}
 // The GT form of a launch (normspec_fwd_row_kernel's GTF).
 inline int gt_form_of(const LaunchArgs& a) {
   if (!(a.flags & F_HF)) return gt_vllm_form_enabled() ? 1 : 0;
   if (!gt_hf_form_enabled()) return 0;
-  return ((a.flags & F_W_IS_INPUT) ? 3 : 2) + (gt_hf_raw_x_enabled() ? 2 : 0);
+  return (a.flags & F_W_IS_INPUT) ? 3 : 2;
 }
 
 // The gated forward through the global table where it is not switched off and the row
@@ -677,10 +667,6 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
           return launch_row<OP, T, 2, TL, true, 2>(a, g, stream, tab);
         case 3:
           return launch_row<OP, T, 2, TL, true, 3>(a, g, stream, tab);
-        case 4:
-          return launch_row<OP, T, 2, TL, true, 4>(a, g, stream, tab);
-        case 5:
-          return launch_row<OP, T, 2, TL, true, 5>(a, g, stream, tab);
         default:
           return launch_row<OP, T, 2, TL, true, 0>(a, g, stream, tab);
       }

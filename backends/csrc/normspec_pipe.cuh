@@ -941,7 +941,6 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // (NORMSPEC_GT_HF_FORM=0 turns them off), with its roundings as constants: F_HF set and
 // F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype). Bench, H200:
 // hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
-// 4 / 5 (an experiment, NORMSPEC_GT_HF_RAW_X=1): 2 / 3 unpacking the raw x again.
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1015,12 +1014,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
   // form.
   static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
-  // forms 4 / 5 (an experiment, NORMSPEC_GT_HF_RAW_X=1): 2 / 3 with the raw x unpacked
-  // again after the reduction, as the vllm form does
-  constexpr bool RAW_AGAIN = GTF == 1 || GTF >= 4;
-  if constexpr (GTF >= 2)
-    flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 || GTF == 5 ? F_W_IS_INPUT : 0);
-  constexpr bool KEEP = TWO && !RAW_AGAIN;
+  constexpr bool GT_VLLM = GTF == 1;
+  if constexpr (GTF >= 2) flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 ? F_W_IS_INPUT : 0);
+  constexpr bool KEEP = TWO && !GT_VLLM;
   float v[NP][VEC];
 #pragma unroll
   for (int p = 0; p < NP; ++p) norm_input_raw<OP, T>(cx[p], cr[p], flags, v[p]);
@@ -1028,7 +1024,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, P, eps, team_log, red);
   if (row >= rows) return;
   if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
-  if constexpr (RAW_AGAIN) {
+  if constexpr (GT_VLLM) {
     // the raw x as if new, so that the compiler unpacks it again instead of keeping
     // the values of the reduction alive (it emits no instruction)
 #pragma unroll
