@@ -528,7 +528,8 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     got = t.ext_forward("rms_norm_gated", crows, cw.to(torch.bfloat16), t.EPS, params)
     t.assert_bits(got[0], t.spec_forward("rms_norm_gated", rows, w.to(torch.bfloat16), t.EPS,
                                          params)[0], f"bf16 weight {params}")
-    if params["convention"] == "hf" and os.environ.get("NORMSPEC_GT_HF_FORM") != "0":
+    if (params["convention"] == "hf" and os.environ.get("NORMSPEC_GT_HF_FORM") != "0"
+            and os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"):
         # a weight of the input dtype: the form with F_W_IS_INPUT as a constant too
         names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
                                                           cw.to(torch.bfloat16), t.EPS, params))
@@ -562,11 +563,11 @@ def test_gated_forward_every_gate_per_table(row_table):
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory (the vllm convention in a form of its own, or in the form
     of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
-    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``), with ``NORMSPEC_GATED_ROW_TABLE=0``
-    the persistent kernel with a table per block (the profiler shows which kernel ran);
-    the same holds
-    for a bf16 weight, for a tail of fewer rows than a warp's teams, for rows apart in
-    memory and for the forward that saves rstd; and a first use inside a CUDA graph
+    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``), with
+    ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent kernel with a table per block (the
+    profiler shows which kernel ran); the same holds for a bf16 weight, for a tail of
+    fewer rows than a warp's teams, for rows apart in memory and for the forward that
+    saves rstd; and a first use inside a CUDA graph
     capture (where the global table is not filled, so the capture holds the persistent
     kernel) gives them too."""
     import os
