@@ -528,12 +528,18 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     got = t.ext_forward("rms_norm_gated", crows, cw.to(torch.bfloat16), t.EPS, params)
     t.assert_bits(got[0], t.spec_forward("rms_norm_gated", rows, w.to(torch.bfloat16), t.EPS,
                                          params)[0], f"bf16 weight {params}")
-    if (params["convention"] == "hf" and os.environ.get("NORMSPEC_GT_HF_FORM") != "0"
-            and os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"):
-        # a weight of the input dtype: the form with F_W_IS_INPUT as a constant too
+    # a weight of the input dtype: the hf form with F_W_IS_INPUT as a constant too (3), and
+    # with NORMSPEC_GT_VLLM_W_RAW=1 the vllm form with F_W_RAW as one (4)
+    if params["convention"] == "hf":
+        own = os.environ.get("NORMSPEC_GT_HF_FORM") != "0"
+        w16_form = "3"
+    else:
+        own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
+        w16_form = "4" if os.environ.get("NORMSPEC_GT_VLLM_W_RAW") == "1" else "(true|1)"
+    if own and os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0":
         names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
                                                           cw.to(torch.bfloat16), t.EPS, params))
-        w16 = re.compile(r"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), 3>")
+        w16 = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {w16_form}>")
         assert any(w16.search(n) for n in names), names
     # fewer rows than a multiple of a warp's teams, and rows apart in memory (x and the
     # gate as halves of wider rows, as a projection's split gives them)
@@ -557,13 +563,16 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0"])
+@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0",
+                                       "vllm_w_raw_1"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory (the vllm convention in a form of its own, or in the form
     of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
-    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``), with
+    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``; the vllm form for
+    a weight read in the input dtype with that as a constant with
+    ``NORMSPEC_GT_VLLM_W_RAW=1``), with
     ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent kernel with a table per block (the
     profiler shows which kernel ran); the same holds for a bf16 weight, for a tail of
     fewer rows than a warp's teams, for rows apart in memory and for the forward that
@@ -581,10 +590,13 @@ def test_gated_forward_every_gate_per_table(row_table):
     env.pop("NORMSPEC_GATED_ROW_TABLE", None)
     env.pop("NORMSPEC_GT_VLLM_FORM", None)
     env.pop("NORMSPEC_GT_HF_FORM", None)
+    env.pop("NORMSPEC_GT_VLLM_W_RAW", None)
     if row_table == "vllm_form_0":
         env["NORMSPEC_GT_VLLM_FORM"] = "0"
     elif row_table == "hf_form_0":
         env["NORMSPEC_GT_HF_FORM"] = "0"
+    elif row_table == "vllm_w_raw_1":
+        env["NORMSPEC_GT_VLLM_W_RAW"] = "1"
     elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,

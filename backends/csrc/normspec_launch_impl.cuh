@@ -29,6 +29,8 @@
 //                             conventions, not in its own; gt_vllm_form_enabled)
 //   NORMSPEC_GT_HF_FORM=0  (the transformers convention's GT forward in the form of both
 //                           conventions, not in its own; gt_hf_form_enabled)
+//   NORMSPEC_GT_VLLM_W_RAW=1  (experiment: the vllm GT form for a weight read in the
+//                              input dtype with that as a constant; gt_vllm_w_raw_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -637,9 +639,21 @@ inline bool gt_hf_form_enabled() {
   static const bool on = !switched_off("NORMSPEC_GT_HF_FORM");
   return on;
 }
+// NORMSPEC_GT_VLLM_W_RAW=1 (experiment, off until timed): the vllm convention's GT form
+// for a weight read in the input dtype (take_pipe_weight sets F_W_RAW) with that as a
+// constant too (normspec_fwd_row_kernel's GTF 4), so that the fp32 weight's load path
+// (predicated today) drops out of the kernel: ptxas, no spill and 22 LDG against 26. (The
+// same for the hf form spilled 32 bytes against 4, so that convention keeps its form 3.)
+inline bool gt_vllm_w_raw_enabled() {
+  static const bool on = env_is("NORMSPEC_GT_VLLM_W_RAW", '1');
+  return on;
+}
 // The GT form of a launch (normspec_fwd_row_kernel's GTF).
 inline int gt_form_of(const LaunchArgs& a) {
-  if (!(a.flags & F_HF)) return gt_vllm_form_enabled() ? 1 : 0;
+  if (!(a.flags & F_HF)) {
+    if (!gt_vllm_form_enabled()) return 0;
+    return a.w_in_dtype != nullptr && gt_vllm_w_raw_enabled() ? 4 : 1;
+  }
   if (!gt_hf_form_enabled()) return 0;
   return (a.flags & F_W_IS_INPUT) ? 3 : 2;
 }
@@ -667,6 +681,8 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
           return launch_row<OP, T, 2, TL, true, 2>(a, g, stream, tab);
         case 3:
           return launch_row<OP, T, 2, TL, true, 3>(a, g, stream, tab);
+        case 4:
+          return launch_row<OP, T, 2, TL, true, 4>(a, g, stream, tab);
         default:
           return launch_row<OP, T, 2, TL, true, 0>(a, g, stream, tab);
       }

@@ -941,6 +941,9 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // (NORMSPEC_GT_HF_FORM=0 turns them off), with its roundings as constants: F_HF set and
 // F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype). Bench, H200:
 // hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
+// 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with F_W_RAW set as a constant (the
+// launcher takes it only for a weight it passes in the input dtype). ptxas, 2 x 8 lanes:
+// no spill, 22 LDG against 26; the same for form 3 (as 5) spilled 32 bytes against 4.
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1014,8 +1017,12 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
   // form.
   static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
-  constexpr bool GT_VLLM = GTF == 1;
-  if constexpr (GTF >= 2) flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 ? F_W_IS_INPUT : 0);
+  // form 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with the weight read in the
+  // input dtype (F_W_RAW) as a constant too, so that the fp32 weight's load path drops out
+  constexpr bool GT_VLLM = GTF == 1 || GTF == 4;
+  if constexpr (GTF == 2 || GTF == 3)
+    flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 ? F_W_IS_INPUT : 0);
+  if constexpr (GTF == 4) flags |= F_W_RAW;
   constexpr bool KEEP = TWO && !GT_VLLM;
   float v[NP][VEC];
 #pragma unroll

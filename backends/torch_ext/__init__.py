@@ -75,7 +75,10 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_GT_HF_FORM=0``: the large bf16 gated forward of the transformers
   convention runs the form it shares with the vLLM convention (flags read at run time)
   instead of its own (the convention and the weight's dtype as compile-time constants;
-  on an H200, 2**21 x 128: 378.3-378.8 us against 379.6-379.7).
+  on an H200, 2**21 x 128: 378.3-378.8 us against 379.6-379.7);
+* ``NORMSPEC_GT_VLLM_W_RAW=1`` (an experiment, not yet timed): the vLLM convention's
+  own form, for a weight of the input dtype that the kernel reads as it is, takes that
+  as a compile-time constant too, which leaves the fp32 weight's load path out.
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
