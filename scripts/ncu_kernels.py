@@ -12,7 +12,9 @@ them). ``--fla``: FLA's rms norm forward and its gated norm forward (and backwar
 zero-centred norm's forward and backward over 1, 64 and 4096 rows of 2048 (ours, or with
 ``--peers`` torch.compile's), the shapes where a launch's latency, not its bandwidth, sets
 the time: ncu's kernel durations, against the bench's device time, show how much of that
-time is the kernels themselves."""
+time is the kernels themselves. ``--gated``: instead, the gated forward 2^21 x 128 with a
+bf16 weight alone, ours in both conventions (vllm, then hf: their kernels' executed
+instructions and stalls side by side), or with ``--peers`` torch.compile's."""
 
 from __future__ import annotations
 
@@ -105,6 +107,37 @@ def peers_small() -> Callable[[], None]:
     return _small_round(lambda rows: mods[rows], lambda rows: list(mods[rows].parameters()))
 
 
+def ours_gated() -> Callable[[], None]:
+    """Our gated forward 2^21 x 128 (bf16 weight, no grad), vllm then hf."""
+    from normspec.backends import torch_ext as te
+
+    te.build(verbose=False)
+
+    def one_round() -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xg, z, wg = _gated_inputs(g, False)
+        with torch.no_grad():
+            for convention in ("vllm", "hf"):
+                te.rms_norm_gated(xg, z, wg, eps=EPS, convention=convention)
+
+    return one_round
+
+
+def peers_gated() -> Callable[[], None]:
+    """torch.compile of the transformers gated norm, forward 2^21 x 128 (no grad)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    gated = torch.compile(Qwen3NextRMSNormGated(128, eps=EPS).to("cuda", BF16))
+
+    def one_round() -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xg, z, _ = _gated_inputs(g, False)
+        with torch.no_grad():
+            gated(xg, z)
+
+    return one_round
+
+
 def fla(backward: bool = False) -> Callable[[], None]:
     from fla.modules.fused_norm_gate import rms_norm_gated
     from fla.modules.layernorm import rms_norm
@@ -156,10 +189,18 @@ def main(argv=None) -> int:
     who.add_argument("--fla", action="store_true", help="FLA's kernels instead of ours")
     p.add_argument("--backward", action="store_true",
                    help="also the gated backward (and our fused forward and backward)")
-    p.add_argument("--small", action="store_true",
-                   help="the norm's forward and backward at 1, 64 and 4096 rows of 2048 instead")
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--small", action="store_true",
+                        help="the norm's forward and backward at 1, 64 and 4096 rows of 2048 "
+                             "instead")
+    shapes.add_argument("--gated", action="store_true",
+                        help="the gated forward 2^21 x 128 alone instead (ours: vllm and hf)")
     args = p.parse_args(argv)
-    if args.small:
+    if args.gated:
+        if args.fla or args.backward:
+            p.error("--gated: ours or --peers only, the forward only")
+        one_round = peers_gated() if args.peers else ours_gated()
+    elif args.small:
         if args.fla or args.backward:
             p.error("--small: ours or --peers only, forward and backward always")
         one_round = peers_small() if args.peers else ours_small()

@@ -8,7 +8,9 @@
 # gated norm kernels, into $OUT/ncu_fla.csv. BACKWARD=1: also the gated backward (and
 # our fused forward and backward), see scripts/ncu_kernels.py. SMALL=1: the norm's forward and
 # backward at 1, 64 and 4096 rows of 2048 instead, every kernel of ours (or, with PEERS=1,
-# torch.compile's), into ncu_small.csv (ncu_small_peers.csv).
+# torch.compile's), into ncu_small.csv (ncu_small_peers.csv). GATED=1: the gated forward
+# 2^21 x 128 alone (ours in both conventions, or with PEERS=1 torch.compile's), into
+# ncu_gated.csv (ncu_gated_peers.csv).
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 set -euo pipefail
@@ -25,6 +27,9 @@ fi
 if [ "${SMALL:-0}" = 1 ]; then
   args="$args --small"
   [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_small_peers.csv" || { filter='regex:normspec_'; csv="$OUT/ncu_small.csv"; }
+elif [ "${GATED:-0}" = 1 ]; then
+  args="$args --gated"
+  [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_gated_peers.csv" || csv="$OUT/ncu_gated.csv"
 fi
 ncu --clock-control none --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
