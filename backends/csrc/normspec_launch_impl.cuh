@@ -31,6 +31,8 @@
 //                           conventions, not in its own; gt_hf_form_enabled)
 //   NORMSPEC_GT_VLLM_W_RAW=1  (experiment: the vllm GT form for a weight read in the
 //                              input dtype with that as a constant; gt_vllm_w_raw_enabled)
+//   NORMSPEC_GT_HF_PACKED_W=1  (experiment: the hf GT form for a bf16 weight read as it is
+//                               with its product in packed bf16; gt_hf_packed_w_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -648,6 +650,15 @@ inline bool gt_vllm_w_raw_enabled() {
   static const bool on = env_is("NORMSPEC_GT_VLLM_W_RAW", '1');
   return on;
 }
+// NORMSPEC_GT_HF_PACKED_W=1 (experiment, off until timed): the hf convention's GT form
+// for a bf16 weight read as it is (GTF 5) takes rt(rt(v * rstd) * w) as packed bf16
+// products (fma.rn.bf16x2 with a -0 addend; forward_gated_hf_packed_w says why the bits
+// are the same) instead of widening the weight and rounding the fp32 product: about three
+// fewer instructions per element, the count by which the hf form exceeds the vllm one.
+inline bool gt_hf_packed_w_enabled() {
+  static const bool on = env_is("NORMSPEC_GT_HF_PACKED_W", '1');
+  return on;
+}
 // The GT form of a launch (normspec_fwd_row_kernel's GTF).
 inline int gt_form_of(const LaunchArgs& a) {
   if (!(a.flags & F_HF)) {
@@ -655,7 +666,8 @@ inline int gt_form_of(const LaunchArgs& a) {
     return a.w_in_dtype != nullptr && gt_vllm_w_raw_enabled() ? 4 : 1;
   }
   if (!gt_hf_form_enabled()) return 0;
-  return (a.flags & F_W_IS_INPUT) ? 3 : 2;
+  if (!(a.flags & F_W_IS_INPUT)) return 2;
+  return a.w_in_dtype != nullptr && gt_hf_packed_w_enabled() ? 5 : 3;
 }
 
 // The gated forward through the global table where it is not switched off and the row
@@ -683,6 +695,8 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
           return launch_row<OP, T, 2, TL, true, 3>(a, g, stream, tab);
         case 4:
           return launch_row<OP, T, 2, TL, true, 4>(a, g, stream, tab);
+        case 5:
+          return launch_row<OP, T, 2, TL, true, 5>(a, g, stream, tab);
         default:
           return launch_row<OP, T, 2, TL, true, 0>(a, g, stream, tab);
       }

@@ -760,6 +760,59 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
   forward_of<OP, T>(v, rr, flags, rstd, g, table, tab, yrow, y2row, col, H);
 }
 
+// Two bf16 products, each the exact product rounded once to nearest even, as one packed
+// word (lo in the low half): mul.rn.bf16x2 (sm_90), or before sm_90 fma.rn.bf16x2 with a
+// -0 addend, which keeps the product's sign of zero (ptxas emits HMUL2.BF16_V2 for both). For bf16 a and w this is the spec's rt(fp32(a * w)):
+// the 8-bit significands make a product of 16 bits at most, exact in fp32 wherever it
+// is at least 2**-134 (its last bit then at least 2**-149), and below 2**-134 both round
+// to a zero of the product's sign (an fp32 rounding cannot lift it past that midpoint:
+// it would need a significand product above 2**16). Overflow is inf either way; NaN
+// stays NaN (its payload is unspecified, spec/arithmetic.py).
+template <typename T>
+__device__ __forceinline__ unsigned int mul_rn_bf16x2(unsigned int a, unsigned int w) {
+  static_assert(IsBf16<T>::value, "packed bf16 products");
+  unsigned int d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(w));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(w), "r"(0x80008000u));
+#endif
+  return d;
+}
+
+// The transformers convention's gated output for a bf16 weight read as it is (wr, the
+// raw vector of VEC weights): rt(rt(v * rstd) * w) * act(z), rounded at the store, with
+// the middle product taken two at a time in bf16 (mul_rn_bf16x2) instead of widening
+// the weight, multiplying in fp32 and rounding again: the same bits in about three fewer
+// instructions per element (GT form 5, NORMSPEC_GT_HF_PACKED_W=1).
+template <typename T>
+__device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf<T>::value],
+                                                          const uint4& rr, bool sig, float rstd,
+                                                          const uint4& wr,
+                                                          const float* __restrict__ tab,
+                                                          T* __restrict__ yrow, int col, int H) {
+  constexpr int VEC = VecOf<T>::value;
+  static_assert(VEC == 8, "bf16 vectors of eight");
+  // the products first, so that v is dead (four words instead of eight values) before
+  // the gates' lookups: with the lookups first, ptxas spilled 32 bytes at 64 registers
+  const unsigned int wv[4] = {wr.x, wr.y, wr.z, wr.w};
+  unsigned int pw[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned int xh = RawBits<T>::put2(mul(v[2 * k], rstd), mul(v[2 * k + 1], rstd));
+    pw[k] = mul_rn_bf16x2<T>(xh, wv[k]);
+  }
+  float z[VEC], act[VEC], out[VEC];
+  unpack<T>(rr, z);
+  acts_from_table<VEC>(tab, z, sig, act);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[2 * k] = mul(DevIO<T>::from_bits(pw[k] & 0xffffu), act[2 * k]);
+    out[2 * k + 1] = mul(DevIO<T>::from_bits(pw[k] >> 16), act[2 * k + 1]);
+  }
+  store_row<T>(yrow, col, H, out);
+}
+
 }  // namespace normspec
 
 // The gate table in global memory of the one-row forward's GT form: act(z) of every
@@ -943,7 +996,11 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
 // 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with F_W_RAW set as a constant (the
 // launcher takes it only for a weight it passes in the input dtype). ptxas, 2 x 8 lanes:
-// no spill, 22 LDG against 26; the same for form 3 (as 5) spilled 32 bytes against 4.
+// no spill, 22 LDG against 26; the same for form 3 alone spilled 32 bytes against 4.
+// 5 (an experiment, NORMSPEC_GT_HF_PACKED_W=1): 3 with F_W_RAW a constant and the
+// weight's product in packed bf16 (forward_gated_hf_packed_w; the same condition).
+// ptxas (sm_90a, this kernel alone): 64 registers and no spill (form 3: 4 bytes), 64
+// SASS fewer than form 3, of them 16 FMUL and 8 F2FP, for 8 packed bf16 multiplies.
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1019,10 +1076,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
   // form 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with the weight read in the
   // input dtype (F_W_RAW) as a constant too, so that the fp32 weight's load path drops out
+  // form 5 (an experiment, NORMSPEC_GT_HF_PACKED_W=1): 3 with the weight read as it is
+  // (F_W_RAW a constant) and its product taken in packed bf16 (forward_gated_hf_packed_w)
   constexpr bool GT_VLLM = GTF == 1 || GTF == 4;
-  if constexpr (GTF == 2 || GTF == 3)
-    flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 3 ? F_W_IS_INPUT : 0);
-  if constexpr (GTF == 4) flags |= F_W_RAW;
+  constexpr bool HF_PACKED_W = GTF == 5;
+  if constexpr (GTF == 2 || GTF == 3 || GTF == 5)
+    flags = (flags & ~F_W_IS_INPUT) | F_HF | (GTF == 2 ? 0 : F_W_IS_INPUT);
+  if constexpr (GTF >= 4) flags |= F_W_RAW;
   constexpr bool KEEP = TWO && !GT_VLLM;
   float v[NP][VEC];
 #pragma unroll
@@ -1042,6 +1102,16 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   for (int p = 0; p < NP; ++p) {
     const int col = p * S + tcol;
     if (col < Hc) {
+      T* yl = y + row * sy + tcol;
+      T* y2l = OP == OP_FUSED ? y2 + row * sy2 + tcol : nullptr;
+      if constexpr (HF_PACKED_W) {
+        static_assert(KEEP && NP > 1 && FULL, "the packed form keeps v, two passes, whole rows");
+        // every vector is whole (FULL): one 16-byte load of the weight, kept raw
+        const uint4 wr = *reinterpret_cast<const uint4*>(static_cast<const T*>(w) + col);
+        forward_gated_hf_packed_w<T>(v[p], cr[p], (flags & F_SIGMOID) != 0, rstd, wr, gtab,
+                                     yl, p * S, Hl);
+        continue;
+      }
       float g[VEC];
       if constexpr (NP == 1) {
 #pragma unroll
@@ -1049,8 +1119,6 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
       } else {
         weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
       }
-      T* yl = y + row * sy + tcol;
-      T* y2l = OP == OP_FUSED ? y2 + row * sy2 + tcol : nullptr;
       if constexpr (KEEP) {
         forward_of<OP, T>(v[p], cr[p], flags, rstd, g, GT, GT ? gtab : nullptr, yl, y2l, p * S,
                           Hl);

@@ -78,7 +78,11 @@ the same bits; these variables only change speed (read once per process):
   on an H200, 2**21 x 128: 378.3-378.8 us against 379.6-379.7);
 * ``NORMSPEC_GT_VLLM_W_RAW=1`` (an experiment, not yet timed): the vLLM convention's
   own form, for a weight of the input dtype that the kernel reads as it is, takes that
-  as a compile-time constant too, which leaves the fp32 weight's load path out.
+  as a compile-time constant too, which leaves the fp32 weight's load path out;
+* ``NORMSPEC_GT_HF_PACKED_W=1`` (an experiment, not yet timed): the transformers
+  convention's own form, for a bf16 weight that the kernel reads as it is, multiplies
+  the rounded normalized input by the weight two values at a time in bf16 (each product
+  rounded once, the same bits) instead of in fp32 with a rounding after.
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
