@@ -157,6 +157,34 @@ def test_row_vectors_are_plain_before_sm80(tmp_path):
     assert "createpolicy" not in text and "cache_hint" not in text, text
     assert re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text) == ["ld.global.v4.u32"], text
 
+HF_PACKED_PROBE = r"""
+#include "normspec_pipe.cuh"
+template __global__ void normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, 5>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const void*, __nv_bfloat16*, __nv_bfloat16*,
+    long long, long long, long long, long long, long long, long long, float, float, int, int,
+    float*, const float*);
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("arch", "packed"), [("sm_90", "mul.rn.bf16x2"),
+                                              ("sm_80", "fma.rn.bf16x2"), ("sm_75", None)])
+def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed):
+    """GT form 5's packed bf16 product (mul_rn_bf16x2) is ``mul.rn.bf16x2`` from sm_90,
+    ``fma.rn.bf16x2`` with a -0 addend on sm_80, and before sm_80 (no bf16 arithmetic) the
+    fp32 product rounded: the form compiles for each, eight products a thread (two passes
+    of four pairs) where there is a packed instruction, and no other bf16 arithmetic."""
+    src = tmp_path / "probe.cu"
+    src.write_text(HF_PACKED_PROBE)
+    ptx = tmp_path / "probe.ptx"
+    done = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-O3", "-fmad=false", "-I",
+                           str(CSRC), str(src), "-ptx", "-o", str(ptx)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", ptx.read_text())
+    assert found == ([packed] * 8 if packed else []), found
+
+
 MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
 
 

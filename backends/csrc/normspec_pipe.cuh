@@ -761,8 +761,9 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 }
 
 // Two bf16 products, each the exact product rounded once to nearest even, as one packed
-// word (lo in the low half): mul.rn.bf16x2 (sm_90), or before sm_90 fma.rn.bf16x2 with a
-// -0 addend, which keeps the product's sign of zero (ptxas emits HMUL2.BF16_V2 for both). For bf16 a and w this is the spec's rt(fp32(a * w)):
+// word (lo in the low half): mul.rn.bf16x2 (sm_90), or on sm_80 / 89 fma.rn.bf16x2 with a
+// -0 addend, which keeps the product's sign of zero (ptxas emits HMUL2.BF16_V2 for both);
+// before sm_80, the fp32 product rounded (the spec's path). For bf16 a and w this is the spec's rt(fp32(a * w)):
 // the 8-bit significands make a product of 16 bits at most, exact in fp32 wherever it
 // is at least 2**-134 (its last bit then at least 2**-149), and below 2**-134 both round
 // to a zero of the product's sign (an fp32 rounding cannot lift it past that midpoint:
@@ -774,8 +775,12 @@ __device__ __forceinline__ unsigned int mul_rn_bf16x2(unsigned int a, unsigned i
   unsigned int d;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(w));
-#else
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(w), "r"(0x80008000u));
+#else
+  // no bf16 arithmetic before sm_80: the spec's own path, the same bits
+  d = RawBits<T>::put2(mul(DevIO<T>::from_bits(a & 0xffffu), DevIO<T>::from_bits(w & 0xffffu)),
+                       mul(DevIO<T>::from_bits(a >> 16), DevIO<T>::from_bits(w >> 16)));
 #endif
   return d;
 }
