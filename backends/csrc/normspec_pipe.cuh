@@ -763,12 +763,12 @@ __device__ __forceinline__ void forward_vector(const uint4& rx, const uint4& rr,
 // Two bf16 products, each the exact product rounded once to nearest even, as one packed
 // word (lo in the low half): mul.rn.bf16x2 (sm_90), or on sm_80 / 89 fma.rn.bf16x2 with a
 // -0 addend, which keeps the product's sign of zero (ptxas emits HMUL2.BF16_V2 for both);
-// before sm_80, the fp32 product rounded (the spec's path). For bf16 a and w this is the spec's rt(fp32(a * w)):
-// the 8-bit significands make a product of 16 bits at most, exact in fp32 wherever it
-// is at least 2**-134 (its last bit then at least 2**-149), and below 2**-134 both round
-// to a zero of the product's sign (an fp32 rounding cannot lift it past that midpoint:
-// it would need a significand product above 2**16). Overflow is inf either way; NaN
-// stays NaN (its payload is unspecified, spec/arithmetic.py).
+// before sm_80, the fp32 product rounded (the spec's path). For bf16 a and w this is the
+// spec's rt(fp32(a * w)): the 8-bit significands make a product of 16 bits at most, exact
+// in fp32 wherever it is at least 2**-134 (its last bit then at least 2**-149), and below
+// 2**-134 both round to a zero of the product's sign (an fp32 rounding cannot lift it past
+// that midpoint: it would need a significand product above 2**16). Overflow is inf either
+// way; NaN stays NaN (its payload is unspecified, spec/arithmetic.py).
 template <typename T>
 __device__ __forceinline__ unsigned int mul_rn_bf16x2(unsigned int a, unsigned int w) {
   static_assert(IsBf16<T>::value, "packed bf16 products");
@@ -1001,7 +1001,8 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
 // 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with F_W_RAW set as a constant (the
 // launcher takes it only for a weight it passes in the input dtype). ptxas, 2 x 8 lanes:
-// no spill, 22 LDG against 26; the same for form 3 alone spilled 32 bytes against 4.
+// no spill, 22 LDG against 26 (form 3 with F_W_RAW a constant, and nothing else, spilled
+// 32 bytes against 4).
 // 5 (an experiment, NORMSPEC_GT_HF_PACKED_W=1): 3 with F_W_RAW a constant and the
 // weight's product in packed bf16 (forward_gated_hf_packed_w; the same condition).
 // ptxas (sm_90a, this kernel alone): 64 registers and no spill (form 3: 4 bytes), 64
