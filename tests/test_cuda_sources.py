@@ -143,17 +143,22 @@ def test_row_vector_cache_policies(tmp_path, form):
         assert done.returncode == 0, done.stderr[-6000:]
 
 
+def _ptx_of(tmp_path: Path, source: str, arch: str, *flags: str) -> str:
+    """The PTX nvcc makes of `source` (the kernel headers on its include path) for `arch`."""
+    src = tmp_path / "probe.cu"
+    src.write_text(source)
+    ptx = tmp_path / "probe.ptx"
+    done = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-O3", *flags, "-I", str(CSRC),
+                           str(src), "-ptx", "-o", str(ptx)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return ptx.read_text()
+
+
 @needs_nvcc
 def test_row_vectors_are_plain_before_sm80(tmp_path):
     """Before sm_80 there is no ``createpolicy``: the default build's row loads are plain
     ``ld.global`` there, and the probe still compiles."""
-    src = tmp_path / "probe.cu"
-    src.write_text(ROW_VECTOR_PROBE)
-    ptx = tmp_path / "probe.ptx"
-    done = subprocess.run([NVCC, "-arch=sm_75", "-std=c++17", "-O3", "-I", str(CSRC), str(src),
-                           "-ptx", "-o", str(ptx)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-6000:]
-    text = ptx.read_text()
+    text = _ptx_of(tmp_path, ROW_VECTOR_PROBE, "sm_75")
     assert "createpolicy" not in text and "cache_hint" not in text, text
     assert re.findall(r"\bld\.global[.:\w]*\.v4\.\w+", text) == ["ld.global.v4.u32"], text
 
@@ -174,14 +179,8 @@ def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed):
     ``fma.rn.bf16x2`` with a -0 addend on sm_80, and before sm_80 (no bf16 arithmetic) the
     fp32 product rounded: the form compiles for each, eight products a thread (two passes
     of four pairs) where there is a packed instruction, and no other bf16 arithmetic."""
-    src = tmp_path / "probe.cu"
-    src.write_text(HF_PACKED_PROBE)
-    ptx = tmp_path / "probe.ptx"
-    done = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-O3", "-fmad=false", "-I",
-                           str(CSRC), str(src), "-ptx", "-o", str(ptx)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-6000:]
-    found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", ptx.read_text())
+    text = _ptx_of(tmp_path, HF_PACKED_PROBE, arch, "-fmad=false")
+    found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", text)
     assert found == ([packed] * 8 if packed else []), found
 
 
