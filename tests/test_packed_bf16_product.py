@@ -1,14 +1,15 @@
 """The packed bf16 product of the hf gated forward's GT form 5 gives the spec's bits.
 
 The spec's transformers convention rounds ``u = rt(t * w)`` for a bf16 weight: the fp32
-product of two bf16 values, then rounded to bf16. GT form 5 (``NORMSPEC_GT_HF_PACKED_W=1``,
-``forward_gated_hf_packed_w`` in ``backends/csrc/normspec_pipe.cuh``) takes the product
-with ``fma.rn.bf16x2`` instead: the exact product rounded once to bf16. The two agree when
-the fp32 rounding never changes the bf16 one; this test checks that on the CPU, against
-a single rounding of the exact product (exact in float64), for every bf16 weight against
-a spread of rounded normalized inputs, subnormal products, underflow and overflow included.
-(The GPU's instruction itself is checked by the CUDA every-gate test's ``hf_packed_w_1``
-case.)
+product of two bf16 values, then rounded to bf16. GT form 5 (the default;
+``NORMSPEC_GT_HF_PACKED_W=0`` turns it off; ``forward_gated_hf_packed_w`` in
+``backends/csrc/normspec_pipe.cuh``) takes the product with ``mul.rn.bf16x2``
+(``fma.rn.bf16x2`` with a -0 addend on sm_80 / 89) instead: the exact product rounded
+once to bf16. The two agree when the fp32 rounding never changes the bf16 one; this test
+checks that on the CPU, against a single rounding of the exact product (exact in
+float64), for every bf16 weight against a spread of rounded normalized inputs,
+subnormal products, underflow and overflow included. (The GPU's instruction itself is
+checked by the CUDA every-gate test, whose default case runs form 5.)
 """
 
 from __future__ import annotations

@@ -528,15 +528,15 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
     got = t.ext_forward("rms_norm_gated", crows, cw.to(torch.bfloat16), t.EPS, params)
     t.assert_bits(got[0], t.spec_forward("rms_norm_gated", rows, w.to(torch.bfloat16), t.EPS,
                                          params)[0], f"bf16 weight {params}")
-    # a weight of the input dtype: the hf form with F_W_IS_INPUT as a constant too (3), or
-    # with NORMSPEC_GT_HF_PACKED_W=1 its product in packed bf16 (5); with
-    # NORMSPEC_GT_VLLM_W_RAW=1 the vllm form with F_W_RAW as a constant (4)
+    # a weight of the input dtype: the hf form with its product in packed bf16 (5), or with
+    # NORMSPEC_GT_HF_PACKED_W=0 the one with F_W_IS_INPUT as a constant (3); the vllm form
+    # with F_W_RAW as a constant (4), or with NORMSPEC_GT_VLLM_W_RAW=0 form 1
     if params["convention"] == "hf":
         own = os.environ.get("NORMSPEC_GT_HF_FORM") != "0"
-        w16_form = "5" if os.environ.get("NORMSPEC_GT_HF_PACKED_W") == "1" else "3"
+        w16_form = "3" if os.environ.get("NORMSPEC_GT_HF_PACKED_W") == "0" else "5"
     else:
         own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
-        w16_form = "4" if os.environ.get("NORMSPEC_GT_VLLM_W_RAW") == "1" else "(true|1)"
+        w16_form = "(true|1)" if os.environ.get("NORMSPEC_GT_VLLM_W_RAW") == "0" else "4"
     if own and os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0":
         names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
                                                           cw.to(torch.bfloat16), t.EPS, params))
@@ -574,17 +574,17 @@ print("ok")
 
 
 @pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0",
-                                       "vllm_w_raw_1", "hf_packed_w_1"])
+                                       "vllm_w_raw_0", "hf_packed_w_0"])
 def test_gated_forward_every_gate_per_table(row_table):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row kernel with the
     gate table in global memory (the vllm convention in a form of its own, or in the form
     of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
     its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``; the vllm form for
-    a weight read in the input dtype with that as a constant with
-    ``NORMSPEC_GT_VLLM_W_RAW=1``; the hf form's weight product in packed bf16 with
-    ``NORMSPEC_GT_HF_PACKED_W=1``, also for weights whose products are subnormal, zero
-    or overflow), with
+    a weight read in the input dtype with that as a constant, or without with
+    ``NORMSPEC_GT_VLLM_W_RAW=0``; the hf form's weight product in packed bf16, or in
+    fp32 with ``NORMSPEC_GT_HF_PACKED_W=0``, also for weights whose products are
+    subnormal, zero or overflow), with
     ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent kernel with a table per block (the
     profiler shows which kernel ran); the same holds for a bf16 weight, for a tail of
     fewer rows than a warp's teams, for rows apart in memory and for the forward that
@@ -608,10 +608,10 @@ def test_gated_forward_every_gate_per_table(row_table):
         env["NORMSPEC_GT_VLLM_FORM"] = "0"
     elif row_table == "hf_form_0":
         env["NORMSPEC_GT_HF_FORM"] = "0"
-    elif row_table == "vllm_w_raw_1":
-        env["NORMSPEC_GT_VLLM_W_RAW"] = "1"
-    elif row_table == "hf_packed_w_1":
-        env["NORMSPEC_GT_HF_PACKED_W"] = "1"
+    elif row_table == "vllm_w_raw_0":
+        env["NORMSPEC_GT_VLLM_W_RAW"] = "0"
+    elif row_table == "hf_packed_w_0":
+        env["NORMSPEC_GT_HF_PACKED_W"] = "0"
     elif row_table != "default":
         env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,

@@ -29,10 +29,10 @@
 //                             conventions, not in its own; gt_vllm_form_enabled)
 //   NORMSPEC_GT_HF_FORM=0  (the transformers convention's GT forward in the form of both
 //                           conventions, not in its own; gt_hf_form_enabled)
-//   NORMSPEC_GT_VLLM_W_RAW=1  (experiment: the vllm GT form for a weight read in the
-//                              input dtype with that as a constant; gt_vllm_w_raw_enabled)
-//   NORMSPEC_GT_HF_PACKED_W=1  (experiment: the hf GT form for a bf16 weight read as it is
-//                               with its product in packed bf16; gt_hf_packed_w_enabled)
+//   NORMSPEC_GT_VLLM_W_RAW=0  (the vllm GT form for a weight read in the input dtype
+//                              without that as a constant; gt_vllm_w_raw_enabled)
+//   NORMSPEC_GT_HF_PACKED_W=0  (the hf GT form for a bf16 weight with its product in fp32
+//                               and a rounding, not in packed bf16; gt_hf_packed_w_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -641,22 +641,25 @@ inline bool gt_hf_form_enabled() {
   static const bool on = !switched_off("NORMSPEC_GT_HF_FORM");
   return on;
 }
-// NORMSPEC_GT_VLLM_W_RAW=1 (experiment, off until timed): the vllm convention's GT form
-// for a weight read in the input dtype (take_pipe_weight sets F_W_RAW) with that as a
-// constant too (normspec_fwd_row_kernel's GTF 4), so that the fp32 weight's load path
-// (predicated today) drops out of the kernel: ptxas, no spill and 22 LDG against 26. (The
-// same for the hf form spilled 32 bytes against 4, so that convention keeps its form 3.)
+// The vllm convention's GT form for a weight read in the input dtype (take_pipe_weight
+// sets F_W_RAW) with that as a constant too (normspec_fwd_row_kernel's GTF 4), so that the
+// fp32 weight's load path (predicated in form 1) drops out of the kernel (ptxas: no spill,
+// 22 LDG against 26), unless NORMSPEC_GT_VLLM_W_RAW=0. The bench on the H200, alternating
+// processes: vllm forward 375.2-375.3 us against 375.7-376.3 (call), 376.1-376.5 against
+// 376.6-377.5 (device) (bench/results/probes/gt_w_raw_packed_w_bench_cda5123.txt, §28).
 inline bool gt_vllm_w_raw_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_VLLM_W_RAW", '1');
+  static const bool on = !switched_off("NORMSPEC_GT_VLLM_W_RAW");
   return on;
 }
-// NORMSPEC_GT_HF_PACKED_W=1 (experiment, off until timed): the hf convention's GT form
-// for a bf16 weight read as it is (GTF 5) takes rt(rt(v * rstd) * w) as packed bf16
-// products (fma.rn.bf16x2 with a -0 addend; forward_gated_hf_packed_w says why the bits
-// are the same) instead of widening the weight and rounding the fp32 product: about three
-// fewer instructions per element, the count by which the hf form exceeds the vllm one.
+// The hf convention's GT form for a bf16 weight read as it is (GTF 5) takes
+// rt(rt(v * rstd) * w) as packed bf16 products (mul_rn_bf16x2; forward_gated_hf_packed_w
+// says why the bits are the same) instead of widening the weight and rounding the fp32
+// product, about three fewer instructions per element, unless NORMSPEC_GT_HF_PACKED_W=0.
+// The bench on the H200, alternating processes: hf forward 374.4-374.7 us against
+// 379.2-380.3 (call), 375.4-375.5 against 381.2-381.3 (device), now level with
+// torch.compile's 374.5-375.1 (bench/results/probes/gt_w_raw_packed_w_bench_cda5123.txt).
 inline bool gt_hf_packed_w_enabled() {
-  static const bool on = env_is("NORMSPEC_GT_HF_PACKED_W", '1');
+  static const bool on = !switched_off("NORMSPEC_GT_HF_PACKED_W");
   return on;
 }
 // The GT form of a launch (normspec_fwd_row_kernel's GTF).

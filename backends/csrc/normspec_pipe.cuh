@@ -789,7 +789,7 @@ __device__ __forceinline__ unsigned int mul_rn_bf16x2(unsigned int a, unsigned i
 // raw vector of VEC weights): rt(rt(v * rstd) * w) * act(z), rounded at the store, with
 // the middle product taken two at a time in bf16 (mul_rn_bf16x2) instead of widening
 // the weight, multiplying in fp32 and rounding again: the same bits in about three fewer
-// instructions per element (GT form 5, NORMSPEC_GT_HF_PACKED_W=1).
+// instructions per element (GT form 5; NORMSPEC_GT_HF_PACKED_W=0 turns it off).
 template <typename T>
 __device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf<T>::value],
                                                           const uint4& rr, bool sig, float rstd,
@@ -999,14 +999,16 @@ __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
 // (NORMSPEC_GT_HF_FORM=0 turns them off), with its roundings as constants: F_HF set and
 // F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype). Bench, H200:
 // hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
-// 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with F_W_RAW set as a constant (the
+// 4 (NORMSPEC_GT_VLLM_W_RAW=0 turns it off): 1 with F_W_RAW set as a constant (the
 // launcher takes it only for a weight it passes in the input dtype). ptxas, 2 x 8 lanes:
 // no spill, 22 LDG against 26 (form 3 with F_W_RAW a constant, and nothing else, spilled
-// 32 bytes against 4).
-// 5 (an experiment, NORMSPEC_GT_HF_PACKED_W=1): 3 with F_W_RAW a constant and the
+// 32 bytes against 4). Bench, H200: vllm forward 375.7-376.3 -> 375.2-375.3 us.
+// 5 (NORMSPEC_GT_HF_PACKED_W=0 turns it off): 3 with F_W_RAW a constant and the
 // weight's product in packed bf16 (forward_gated_hf_packed_w; the same condition).
 // ptxas (sm_90a, this kernel alone): 64 registers and no spill (form 3: 4 bytes), 64
 // SASS fewer than form 3, of them 16 FMUL and 8 F2FP, for 8 packed bf16 multiplies.
+// Bench, H200: hf forward 379.2-380.3 -> 374.4-374.7 us
+// (probes/gt_w_raw_packed_w_bench_cda5123.txt).
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1080,9 +1082,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
   // form.
   static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
-  // form 4 (an experiment, NORMSPEC_GT_VLLM_W_RAW=1): 1 with the weight read in the
+  // form 4: 1 with the weight read in the
   // input dtype (F_W_RAW) as a constant too, so that the fp32 weight's load path drops out
-  // form 5 (an experiment, NORMSPEC_GT_HF_PACKED_W=1): 3 with the weight read as it is
+  // form 5: 3 with the weight read as it is
   // (F_W_RAW a constant) and its product taken in packed bf16 (forward_gated_hf_packed_w)
   constexpr bool GT_VLLM = GTF == 1 || GTF == 4;
   constexpr bool HF_PACKED_W = GTF == 5;

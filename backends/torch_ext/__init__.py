@@ -76,13 +76,15 @@ the same bits; these variables only change speed (read once per process):
   convention runs the form it shares with the vLLM convention (flags read at run time)
   instead of its own (the convention and the weight's dtype as compile-time constants;
   on an H200, 2**21 x 128: 378.3-378.8 us against 379.6-379.7);
-* ``NORMSPEC_GT_VLLM_W_RAW=1`` (an experiment, not yet timed): the vLLM convention's
-  own form, for a weight of the input dtype that the kernel reads as it is, takes that
-  as a compile-time constant too, which leaves the fp32 weight's load path out;
-* ``NORMSPEC_GT_HF_PACKED_W=1`` (an experiment, not yet timed): the transformers
-  convention's own form, for a bf16 weight that the kernel reads as it is, multiplies
-  the rounded normalized input by the weight two values at a time in bf16 (each product
-  rounded once, the same bits) instead of in fp32 with a rounding after.
+* ``NORMSPEC_GT_VLLM_W_RAW=0``: the vLLM convention's own form, for a weight of the
+  input dtype that the kernel reads as it is, no longer takes that as a compile-time
+  constant, so the fp32 weight's load path stays in the kernel (on an H200,
+  2**21 x 128: 375.7-376.3 us against 375.2-375.3);
+* ``NORMSPEC_GT_HF_PACKED_W=0``: the transformers convention's own form, for a bf16
+  weight that the kernel reads as it is, multiplies the rounded normalized input by the
+  weight in fp32 with a rounding after, instead of two values at a time in bf16 (each
+  product rounded once, the same bits; on an H200, 2**21 x 128: 379.2-380.3 us against
+  374.4-374.7).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
