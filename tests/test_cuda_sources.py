@@ -169,6 +169,15 @@ template __global__ void normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, 5
     long long, long long, long long, long long, long long, long long, float, float, int, int,
     float*, const float*);
 """
+#: The gated backward's GC 7 (hf, bf16 weight, packed weight products).
+HF_PACKED_BWD_PROBE = r"""
+#include "normspec_pipe.cuh"
+template __global__ void normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, true, 7>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const void*, const __nv_bfloat16*,
+    const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, float*, long long, long long,
+    long long, long long, long long, long long, long long, long long, float, float, int, int,
+    int, const float*);
+"""
 
 
 @needs_nvcc
@@ -180,6 +189,18 @@ def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed):
     fp32 product rounded: the form compiles for each, eight products a thread (two passes
     of four pairs) where there is a packed instruction, and no other bf16 arithmetic."""
     text = _ptx_of(tmp_path, HF_PACKED_PROBE, arch, "-fmad=false")
+    found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", text)
+    assert found == ([packed] * 8 if packed else []), found
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("arch", "packed"), [("sm_90", "mul.rn.bf16x2"),
+                                              ("sm_80", "fma.rn.bf16x2"), ("sm_75", None)])
+def test_hf_packed_weight_backward_per_arch(tmp_path, arch, packed):
+    """The gated backward's GC 7 takes both of its weight products (u for dgate, and
+    dxhat) with mul_rn_bf16x2: per thread one vector of four pairs, eight packed
+    products where the arch has the instruction, none before sm_80."""
+    text = _ptx_of(tmp_path, HF_PACKED_BWD_PROBE, arch, "-fmad=false")
     found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", text)
     assert found == ([packed] * 8 if packed else []), found
 

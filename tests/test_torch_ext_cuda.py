@@ -318,27 +318,35 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
     gates (zeros, subnormals, both table edges, inf and NaN included), in a launch big
     enough to use the table, gives the spec's bits forward and backward. The backward
     runs with the saved rstd too: rows of 128 and 256 then take the kernels with the
-    convention as constants (one per convention and weight dtype)."""
+    convention as constants (one per convention and weight dtype). The transformers
+    convention with a bf16 weight also runs with that weight scaled by 2**-126, 2**-133
+    and 2**127, so that its products with the weight (packed bf16 ones in the forward's
+    GT form 5 and, with ``NORMSPEC_GATED_BWD_PACKED_W=1``, in the backward's GC 7) are
+    subnormal, zero or overflow."""
     gen = torch.Generator().manual_seed(11)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     gates = every.view(torch.bfloat16)
     rows_n = 2**20 // hidden
     gate = gates[torch.randperm(gates.numel(), generator=gen)].repeat(16).view(rows_n, hidden)
     x = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(hidden, generator=gen) * 0.1 + 1.0).to(wdtype)
+    base = torch.randn(hidden, generator=gen) * 0.1 + 1.0
     dy = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
     rows = {"x": x, "gate": gate}
-    want = spec_forward("rms_norm_gated", rows, weight, EPS, params)
     crows = {k: v.cuda() for k, v in rows.items()}
-    got = ext_forward("rms_norm_gated", crows, weight.cuda(), EPS, params)
-    assert_bits(got[0], want[0], f"forward {params}")
-    want_g = spec_backward("rms_norm_gated", [dy], rows, weight, EPS, params)
-    *_, rstd = ext_forward_with_rstd("rms_norm_gated", crows, weight.cuda(), EPS, params)
-    for saved in (None, rstd):
-        got_g = ext_backward("rms_norm_gated", [dy.cuda()], crows, weight.cuda(), EPS, params,
-                             rstd=saved)
-        for name, g, w in zip(grad_names("rms_norm_gated"), got_g, want_g, strict=True):
-            assert_bits(g, w, f"{name} {params} saved rstd: {saved is not None}")
+    packed = params["convention"] == "hf" and wdtype == torch.bfloat16
+    for scale in (1.0, 2.0**-126, 2.0**-133, 2.0**127) if packed else (1.0,):
+        weight = (base * scale).to(wdtype)
+        what = f"{params} weight x {scale}"
+        want = spec_forward("rms_norm_gated", rows, weight, EPS, params)
+        got = ext_forward("rms_norm_gated", crows, weight.cuda(), EPS, params)
+        assert_bits(got[0], want[0], f"forward {what}")
+        want_g = spec_backward("rms_norm_gated", [dy], rows, weight, EPS, params)
+        *_, rstd = ext_forward_with_rstd("rms_norm_gated", crows, weight.cuda(), EPS, params)
+        for saved in (None, rstd):
+            got_g = ext_backward("rms_norm_gated", [dy.cuda()], crows, weight.cuda(), EPS,
+                                 params, rstd=saved)
+            for name, g, w in zip(grad_names("rms_norm_gated"), got_g, want_g, strict=True):
+                assert_bits(g, w, f"{name} {what} saved rstd: {saved is not None}")
 
 
 def cuda_kernel_names(fn) -> list[str]:
@@ -364,8 +372,10 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     as constants (GC); with twice as many rows as the device holds teams, the plan's
     dweight groups have at least four rows (glog >= 2), and the last group is part full
     (odd, too): its inactive rows must neither be stored nor reach dweight. The spec's
-    bits, and the profiler shows the GC kernel ran. (2**20 elements, the other tests'
-    size, plan glog 0 on an H200: groups of one row.)"""
+    bits, and the profiler shows the GC kernel ran (for the transformers convention with
+    a bf16 weight GC 3, or GC 7 with ``NORMSPEC_GATED_BWD_PACKED_W=1``). (2**20 elements,
+    the other tests' size, plan glog 0 on an H200: groups of one row.)"""
+    import os
     import re
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -382,6 +392,8 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     names = cuda_kernel_names(lambda: ext_backward("rms_norm_gated", [cdy], crows, cw, EPS,
                                                    params, rstd=rstd))
     gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 3
+    if gc == 3 and os.environ.get("NORMSPEC_GATED_BWD_PACKED_W") == "1":
+        gc = 7
     gc_kernel = re.compile(
         rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
     assert any(gc_kernel.search(n) for n in names), names

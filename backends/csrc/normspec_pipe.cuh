@@ -818,6 +818,35 @@ __device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf
   store_row<T>(yrow, col, H, out);
 }
 
+// gated_backward_vec of the transformers convention for a bf16 weight (hf and w_in),
+// with both of its weight products taken two at a time in bf16 (mul_rn_bf16x2):
+// u = rt(t * w) for dgate and dxhat = rt(rt(du) * w), instead of widening, multiplying
+// in fp32 and rounding again. The weight factors w are bf16 values (the weight in the
+// input dtype, no offset), so packing them is exact; each product is then the exact
+// product rounded once, the spec's bits (forward_gated_hf_packed_w says why). The
+// backward's GC 7 (an experiment, NORMSPEC_GATED_BWD_PACKED_W=1): about 1.5 fewer
+// instructions per element than GC 3.
+template <typename T, int VEC>
+__device__ __forceinline__ void gated_backward_vec_hf_packed_w(
+    const float (&xh)[VEC], const float (&w)[VEC], const Act (&a)[VEC], const float (&dy)[VEC],
+    float (&dg)[VEC], float (&dxh)[VEC], float (&contrib)[VEC]) {
+  static_assert(VEC % 2 == 0, "pairs");
+#pragma unroll
+  for (int k = 0; k < VEC; k += 2) {
+    const unsigned int tp = RawBits<T>::put2(xh[k], xh[k + 1]);  // t = rt(xhat)
+    const unsigned int wp = RawBits<T>::put2(w[k], w[k + 1]);    // exact
+    const unsigned int up = mul_rn_bf16x2<T>(tp, wp);            // u = rt(t * w)
+    dg[k] = mul(mul(dy[k], DevIO<T>::from_bits(up & 0xffffu)), a[k].da);
+    dg[k + 1] = mul(mul(dy[k + 1], DevIO<T>::from_bits(up >> 16)), a[k + 1].da);
+    const unsigned int dup = RawBits<T>::put2(mul(dy[k], a[k].a), mul(dy[k + 1], a[k + 1].a));
+    const unsigned int dxp = mul_rn_bf16x2<T>(dup, wp);  // dxhat = rt(rt(du) * w)
+    dxh[k] = DevIO<T>::from_bits(dxp & 0xffffu);
+    dxh[k + 1] = DevIO<T>::from_bits(dxp >> 16);
+    contrib[k] = mul(DevIO<T>::from_bits(dup & 0xffffu), DevIO<T>::from_bits(tp & 0xffffu));
+    contrib[k + 1] = mul(DevIO<T>::from_bits(dup >> 16), DevIO<T>::from_bits(tp >> 16));
+  }
+}
+
 }  // namespace normspec
 
 // The gate table in global memory of the one-row forward's GT form: act(z) of every
@@ -1207,8 +1236,9 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 // GC >= 0: the gated op's convention as constants, for the gate-table launches of
 // the constant forms (bf16): bit 0 the transformers convention (F_HF), bit 1 a
 // weight of the input dtype (F_W_IS_INPUT); the table is on and its lookups are
-// batched per vector. GC = -1: the flags decide at run time. The same device
-// functions compute every value either way.
+// batched per vector. GC = 7 (an experiment, NORMSPEC_GATED_BWD_PACKED_W=1): GC 3 with
+// its weight products in packed bf16 (gated_backward_vec_hf_packed_w). GC = -1: the
+// flags decide at run time. The same device functions compute every value either way.
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 __host__ __device__ constexpr int bwd_min_blocks() {
   // the gate table (64 KiB) bounds these launches to two blocks per SM: up to 128
@@ -1247,6 +1277,8 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   const int tcol = tm.lane * VEC;
   constexpr bool GCONST = GC >= 0;
   static_assert(!GCONST || (OP == OP_GATED && TABLE_OK), "GC: gated bf16 launches only");
+  static_assert(GC <= 3 || GC == 7, "GC: 0..3, or 7 (3 with packed weight products)");
+  constexpr bool HF_PACKED_W = GC == 7;
   const bool hf = GCONST ? (GC & 1) != 0 : (flags & F_HF) != 0;
   const bool w_in = GCONST ? (GC & 2) != 0 : (flags & F_W_IS_INPUT) != 0;
   const bool sig = flags & F_SIGMOID;
@@ -1343,7 +1375,10 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
             float xh[VEC];
 #pragma unroll
             for (int k = 0; k < VEC; ++k) xh[k] = mul(v[k], rstd);
-            gated_backward_vec<T, VEC>(xh, g, acts, dyv, hf, w_in, dg, dxh[p], c);
+            if constexpr (HF_PACKED_W)
+              gated_backward_vec_hf_packed_w<T, VEC>(xh, g, acts, dyv, dg, dxh[p], c);
+            else
+              gated_backward_vec<T, VEC>(xh, g, acts, dyv, hf, w_in, dg, dxh[p], c);
 #pragma unroll
             for (int k = 0; k < VEC; ++k) prod[k] = mul(dxh[p][k], xh[k]);
           } else {
