@@ -321,7 +321,7 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
     convention as constants (one per convention and weight dtype). The transformers
     convention with a bf16 weight also runs with that weight scaled by 2**-126, 2**-133
     and 2**127, so that its products with the weight (packed bf16 ones in the forward's
-    GT form 5 and, with ``NORMSPEC_GATED_BWD_PACKED_W=1``, in the backward's GC 7) are
+    GT form 5 and the backward's GC 7, unless ``NORMSPEC_GATED_BWD_PACKED_W=0``) are
     subnormal, zero or overflow."""
     gen = torch.Generator().manual_seed(11)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
@@ -373,7 +373,7 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     dweight groups have at least four rows (glog >= 2), and the last group is part full
     (odd, too): its inactive rows must neither be stored nor reach dweight. The spec's
     bits, and the profiler shows the GC kernel ran (for the transformers convention with
-    a bf16 weight GC 3, or GC 7 with ``NORMSPEC_GATED_BWD_PACKED_W=1``). (2**20 elements,
+    a bf16 weight GC 7, or GC 3 with ``NORMSPEC_GATED_BWD_PACKED_W=0``). (2**20 elements,
     the other tests' size, plan glog 0 on an H200: groups of one row.)"""
     import os
     import re
@@ -391,12 +391,30 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     *_, rstd = ext_forward_with_rstd("rms_norm_gated", crows, cw, EPS, params)
     names = cuda_kernel_names(lambda: ext_backward("rms_norm_gated", [cdy], crows, cw, EPS,
                                                    params, rstd=rstd))
-    gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 3
-    if gc == 3 and os.environ.get("NORMSPEC_GATED_BWD_PACKED_W") == "1":
-        gc = 7
+    gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 7
+    if gc == 7 and os.environ.get("NORMSPEC_GATED_BWD_PACKED_W") == "0":
+        gc = 3
     gc_kernel = re.compile(
         rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
     assert any(gc_kernel.search(n) for n in names), names
+
+
+def test_gate_table_backward_without_packed_products():
+    """With ``NORMSPEC_GATED_BWD_PACKED_W=0`` the transformers convention's gate-table
+    backward with a bf16 weight runs GC 3 (its products in fp32, rounded): the two tests
+    above, for those cases, in a child process with the switch (the launcher reads it
+    once per process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "NORMSPEC_GATED_BWD_PACKED_W": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         "-k", "(every_bf16_gate_through or over_dweight_groups) and hf and w16"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("hidden", [24, 128, 2048, 5000])

@@ -33,9 +33,9 @@
 //                              without that as a constant; gt_vllm_w_raw_enabled)
 //   NORMSPEC_GT_HF_PACKED_W=0  (the hf GT form for a bf16 weight with its product in fp32
 //                               and a rounding, not in packed bf16; gt_hf_packed_w_enabled)
-//   NORMSPEC_GATED_BWD_PACKED_W=1  (experiment: the hf gated backward's constant form for
-//                                   a bf16 weight with its two weight products in packed
-//                                   bf16; gated_bwd_packed_w_enabled)
+//   NORMSPEC_GATED_BWD_PACKED_W=0  (the hf gated backward's constant form for a bf16
+//                                   weight with its two weight products in fp32 and a
+//                                   rounding, not in packed bf16; gated_bwd_packed_w_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -785,12 +785,15 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
       plan.glog, SAVED ? a.rstd_in : nullptr);
 }
 
-// NORMSPEC_GATED_BWD_PACKED_W=1 (experiment, off until timed): the gate-table backward
-// of the transformers convention with a bf16 weight runs GC 7 instead of 3, its products
-// u = rt(t * w) and dxhat = rt(rt(du) * w) in packed bf16 (gated_backward_vec_hf_packed_w,
-// as the forward's GT form 5 does): about 1.5 fewer instructions per element.
+// The gate-table backward of the transformers convention with a bf16 weight runs GC 7
+// instead of 3, its products u = rt(t * w) and dxhat = rt(rt(du) * w) in packed bf16
+// (gated_backward_vec_hf_packed_w, as the forward's GT form 5 does), unless
+// NORMSPEC_GATED_BWD_PACKED_W=0. The bench on the H200, alternating processes: hf
+// backward 775.4-776.5 us against 778.9-779.8 (device; call 773.6-776.6 against
+// 776.4-779.9), the unchanged vllm row moving 3 us across the same runs
+// (bench/results/probes/gated_bwd_packed_w_bench_402cc11.txt, notes §28).
 inline bool gated_bwd_packed_w_enabled() {
-  static const bool on = env_is("NORMSPEC_GATED_BWD_PACKED_W", '1');
+  static const bool on = !switched_off("NORMSPEC_GATED_BWD_PACKED_W");
   return on;
 }
 

@@ -824,7 +824,7 @@ __device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf
 // in fp32 and rounding again. The weight factors w are bf16 values (the weight in the
 // input dtype, no offset), so packing them is exact; each product is then the exact
 // product rounded once, the spec's bits (forward_gated_hf_packed_w says why). The
-// backward's GC 7 (an experiment, NORMSPEC_GATED_BWD_PACKED_W=1): about 1.5 fewer
+// backward's GC 7 (NORMSPEC_GATED_BWD_PACKED_W=0 turns it off): about 1.5 fewer
 // instructions per element than GC 3.
 template <typename T, int VEC>
 __device__ __forceinline__ void gated_backward_vec_hf_packed_w(
@@ -1236,7 +1236,7 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 // GC >= 0: the gated op's convention as constants, for the gate-table launches of
 // the constant forms (bf16): bit 0 the transformers convention (F_HF), bit 1 a
 // weight of the input dtype (F_W_IS_INPUT); the table is on and its lookups are
-// batched per vector. GC = 7 (an experiment, NORMSPEC_GATED_BWD_PACKED_W=1): GC 3 with
+// batched per vector. GC = 7 (NORMSPEC_GATED_BWD_PACKED_W=0 turns it off): GC 3 with
 // its weight products in packed bf16 (gated_backward_vec_hf_packed_w). GC = -1: the
 // flags decide at run time. The same device functions compute every value either way.
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>

@@ -85,10 +85,11 @@ the same bits; these variables only change speed (read once per process):
   weight in fp32 with a rounding after, instead of two values at a time in bf16 (each
   product rounded once, the same bits; on an H200, 2**21 x 128: 379.2-380.3 us against
   374.4-374.7);
-* ``NORMSPEC_GATED_BWD_PACKED_W=1`` (an experiment, not yet timed): the large bf16 gated
-  backward of the transformers convention with a bf16 weight takes its two products
-  with the weight (the weighted output for dgate, and dxhat) two values at a time in
-  bf16, each rounded once (the same bits), instead of in fp32 with a rounding after.
+* ``NORMSPEC_GATED_BWD_PACKED_W=0``: the large bf16 gated backward of the transformers
+  convention with a bf16 weight takes its two products with the weight (the weighted
+  output for dgate, and dxhat) in fp32 with a rounding after, instead of two values at
+  a time in bf16, each rounded once (the same bits; on an H200, 2**21 x 128:
+  778.9-779.8 us against 775.4-776.5).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
