@@ -181,26 +181,19 @@ template __global__ void normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, true, 
 
 
 @needs_nvcc
+@pytest.mark.parametrize("probe", [HF_PACKED_PROBE, HF_PACKED_BWD_PROBE],
+                         ids=["forward_form_5", "backward_gc_7"])
 @pytest.mark.parametrize(("arch", "packed"), [("sm_90", "mul.rn.bf16x2"),
                                               ("sm_80", "fma.rn.bf16x2"), ("sm_75", None)])
-def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed):
-    """GT form 5's packed bf16 product (mul_rn_bf16x2) is ``mul.rn.bf16x2`` from sm_90,
-    ``fma.rn.bf16x2`` with a -0 addend on sm_80, and before sm_80 (no bf16 arithmetic) the
-    fp32 product rounded: the form compiles for each, eight products a thread (two passes
-    of four pairs) where there is a packed instruction, and no other bf16 arithmetic."""
-    text = _ptx_of(tmp_path, HF_PACKED_PROBE, arch, "-fmad=false")
-    found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", text)
-    assert found == ([packed] * 8 if packed else []), found
-
-
-@needs_nvcc
-@pytest.mark.parametrize(("arch", "packed"), [("sm_90", "mul.rn.bf16x2"),
-                                              ("sm_80", "fma.rn.bf16x2"), ("sm_75", None)])
-def test_hf_packed_weight_backward_per_arch(tmp_path, arch, packed):
-    """The gated backward's GC 7 takes both of its weight products (u for dgate, and
-    dxhat) with mul_rn_bf16x2: per thread one vector of four pairs, eight packed
-    products where the arch has the instruction, none before sm_80."""
-    text = _ptx_of(tmp_path, HF_PACKED_BWD_PROBE, arch, "-fmad=false")
+def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed, probe):
+    """The packed bf16 product (mul_rn_bf16x2) of the hf gated forward's GT form 5 and of
+    the backward's GC 7 (both weight products, u for dgate and dxhat) is ``mul.rn.bf16x2``
+    from sm_90, ``fma.rn.bf16x2`` with a -0 addend on sm_80, and before sm_80 (no bf16
+    arithmetic) the fp32 product rounded: each kernel compiles for each arch, with eight
+    products a thread (the forward: two passes of four pairs; the backward: one vector of
+    four pairs, two products each) where there is a packed instruction, and no other bf16
+    arithmetic."""
+    text = _ptx_of(tmp_path, probe, arch, "-fmad=false")
     found = re.findall(r"\b(?:mul|fma)\.rn\.bf16x2\b", text)
     assert found == ([packed] * 8 if packed else []), found
 
