@@ -1111,10 +1111,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // (half the registers) and unpacks it again for the output, and so does the GT_VLLM
   // form.
   static_assert(GTF == 0 || GT, "the GT forms are forms of the GT path");
-  // form 4: 1 with the weight read in the
-  // input dtype (F_W_RAW) as a constant too, so that the fp32 weight's load path drops out
-  // form 5: 3 with the weight read as it is
-  // (F_W_RAW a constant) and its product taken in packed bf16 (forward_gated_hf_packed_w)
+  // form 4: 1 with the weight read in the input dtype (F_W_RAW) as a constant too, so that
+  // the fp32 weight's load path drops out; form 5: 3 with the weight read as it is (F_W_RAW
+  // a constant) and its product taken in packed bf16 (forward_gated_hf_packed_w)
   constexpr bool GT_VLLM = GTF == 1 || GTF == 4;
   constexpr bool HF_PACKED_W = GTF == 5;
   if constexpr (GTF == 2 || GTF == 3 || GTF == 5)
