@@ -1,0 +1,116 @@
+"""Does a small backward's time after the bench's L2 flush include fetching its code?
+
+``triton.testing.do_bench`` and ``bench/device_timing.py`` flush L2 before every call, which
+evicts the kernel's instructions as well as its data. Our one-row rms backward kernel is
+392 SASS instructions, torch.compile's 176, so after the flush ours may wait longer on
+instruction fetch (notes/perf.md §28). This script times the 1 x 2048 and 64 x 2048
+backward (dx and dweight) of our extension and of torch.compile, GPU time alone (a sleep
+kernel hides the host), three ways:
+
+* ``cold``: flush, sleep, call (the bench's timing);
+* ``code warm``: flush, the same call on a second set of rows (its code is then in L2 and
+  the instruction caches, the timed call's rows are not; the weight, 4 KiB, is shared),
+  sleep, call;
+* ``warm``: no flush, sleep, call (code and data in L2).
+
+If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
+code's size is the cause. Usage (GPU, repository root):
+``python3 bench/micro/code_warmth_small.py [--out DIR] [--calls 200]``; it prints a table
+(median µs) and writes ``code_warmth_small.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+import device_timing as dt
+import run as br  # bench/run.py: the peers and their weights
+
+WANT = ("torch.compile (transformers)", "normspec torch_ext")
+MODES = ("cold", "code warm", "warm")
+
+
+def backward_call(fn: Callable, x: torch.Tensor) -> Callable[[], object]:
+    """A closure running ``fn``'s backward (dx and dweight) on a fresh graph over ``x``."""
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    gy = torch.randn_like(out)
+    wrt = [leaf] + [p for p in br._weights(fn) if p.requires_grad]
+    return lambda: torch.autograd.grad([out], wrt, [gy], retain_graph=True, allow_unused=True)
+
+
+def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
+              before: Callable | None) -> float:
+    """Median GPU microseconds of ``call`` after the prelude ``mode`` names."""
+    cycles = int(dt.HIDE_HOST_MS * dt.sleep_cycles_per_ms())
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(calls)]
+    for start, end in events:
+        if mode != "warm":
+            flush.zero_()
+        if mode == "code warm":
+            before()
+        torch.cuda._sleep(cycles)
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON")
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per mode")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over every case, backend and mode (interleaved)")
+    args = parser.parse_args()
+    if args.calls < 5 or args.rounds < 1:
+        parser.error(f"--calls >= 5 and --rounds >= 1, got {args.calls} and {args.rounds}")
+    flush = torch.empty(dt.FLUSH_BYTES // 4, dtype=torch.int, device="cuda")
+    jobs = {}
+    for rows in (1, 64):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        x2 = torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        w = (0.1 * torch.randn(2048, device="cuda", generator=g)).to(torch.bfloat16)
+        for name, fn in br.peers_norm(w).items():
+            if name not in WANT:
+                continue
+            call, other = backward_call(fn, x), backward_call(fn, x2)
+            for _ in range(5):
+                call()
+                other()
+            for mode in MODES:
+                jobs[(f"{rows}x2048", name, mode)] = (call, other)
+    times: dict = {key: [] for key in jobs}
+    for r in range(args.rounds):
+        for key, (call, other) in jobs.items():
+            times[key].append(device_us(call, key[2], args.calls, flush, other))
+        print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
+    rows_out = [{"case": c, "backend": b, "mode": m, "device_us": statistics.median(t),
+                 "rounds_us": t} for (c, b, m), t in times.items()]
+    print(f"{'case':10} {'backend':30} " + " ".join(f"{m:>10}" for m in MODES))
+    for case in dict.fromkeys(k[0] for k in jobs):
+        for name in WANT:
+            vals = [statistics.median(times[(case, name, m)]) for m in MODES
+                    if (case, name, m) in times]
+            if vals:
+                print(f"{case:10} {name:30} " + " ".join(f"{v:10.2f}" for v in vals))
+    args.out.mkdir(parents=True, exist_ok=True)
+    dest = args.out / "code_warmth_small.json"
+    dest.write_text(json.dumps({"device": torch.cuda.get_device_name(), "calls": args.calls,
+                                "rows": rows_out}, indent=1))
+    print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main()
