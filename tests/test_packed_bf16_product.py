@@ -1,4 +1,4 @@
-"""The packed bf16 product of the hf gated forward's GT form 5 gives the spec's bits.
+"""The packed bf16 product of the hf gated kernels gives the spec's bits.
 
 The spec's transformers convention rounds ``u = rt(t * w)`` for a bf16 weight: the fp32
 product of two bf16 values, then rounded to bf16. GT form 5 (the default;
@@ -8,8 +8,11 @@ product of two bf16 values, then rounded to bf16. GT form 5 (the default;
 once to bf16. The two agree when the fp32 rounding never changes the bf16 one; this test
 checks that on the CPU, against a single rounding of the exact product (exact in
 float64), for every bf16 weight against a spread of rounded normalized inputs,
-subnormal products, underflow and overflow included. (The GPU's instruction itself is
-checked by the CUDA every-gate test, whose default case runs form 5.)
+subnormal products, underflow and overflow included. The backward's GC 7
+(``gated_backward_vec_hf_packed_w``; ``NORMSPEC_GATED_BWD_PACKED_W=0`` turns it off)
+rests on the same fact for its two products of bf16 values, ``u = rt(t * w)`` and
+``dxhat = rt(rt(du) * w)``. (The GPU's instruction itself is checked by the CUDA
+every-gate tests, whose default cases run form 5 and GC 7.)
 """
 
 from __future__ import annotations
