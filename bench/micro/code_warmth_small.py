@@ -73,6 +73,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every case, backend and mode (interleaved)")
     args = parser.parse_args()
+    # torch.compile donates buffers to its backward, which then refuses the repeated
+    # autograd.grad(..., retain_graph=True) calls timed here (bench/run.py does the same)
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     if args.calls < 5 or args.rounds < 1:
         parser.error(f"--calls >= 5 and --rounds >= 1, got {args.calls} and {args.rounds}")
     flush = torch.empty(dt.FLUSH_BYTES // 4, dtype=torch.int, device="cuda")
