@@ -5,16 +5,23 @@ evicts the kernel's instructions as well as its data. Our one-row rms backward k
 392 SASS instructions, torch.compile's 176, so after the flush ours may wait longer on
 instruction fetch (notes/perf.md §28). This script times the 1 x 2048 and 64 x 2048
 backward (dx and dweight) of our extension and of torch.compile, GPU time alone (a sleep
-kernel hides the host), three ways:
+kernel hides the host), six ways:
 
 * ``cold``: flush, sleep, call (the bench's timing);
 * ``code warm``: flush, the same call on a second set of rows (its code is then in L2 and
   the instruction caches, the timed call's rows are not; the weight, 4 KiB, is shared),
   sleep, call;
-* ``warm``: no flush, sleep, call (code and data in L2).
+* ``warm``: no flush, sleep, call (code and data in L2);
+* ``pages warm``: flush, a one-element read of each input (x, dy, the weight), sleep, call
+  (their address translations are warm, their lines but one each are not);
+* ``data warm``: flush, a sum over each input, sleep, call (the inputs are in L2, the
+  kernel's code is not);
+* ``warm after other``: no flush, the same call on the second rows, sleep, call (``warm``
+  with the prelude ``code warm`` has, to tell the prelude's own effect).
 
 If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
-code's size is the cause. Usage (GPU, repository root):
+code's size is the cause; if it is gone in ``data warm``, the data's fetch is. Usage (GPU,
+repository root):
 ``python3 bench/micro/code_warmth_small.py [--out DIR] [--calls 200]``; it prints a table
 (median µs) and writes ``code_warmth_small.json`` under ``--out``.
 """
@@ -35,29 +42,43 @@ import device_timing as dt
 import run as br  # bench/run.py: the peers and their weights
 
 WANT = ("torch.compile (transformers)", "normspec torch_ext")
-MODES = ("cold", "code warm", "warm")
+MODES = ("cold", "code warm", "warm", "pages warm", "data warm", "warm after other")
+FLUSHED = ("cold", "code warm", "pages warm", "data warm")
 
 
-def backward_call(fn: Callable, x: torch.Tensor) -> Callable[[], object]:
-    """A closure running ``fn``'s backward (dx and dweight) on a fresh graph over ``x``."""
+def backward_call(fn: Callable, x: torch.Tensor
+                  ) -> tuple[Callable[[], object], tuple[torch.Tensor, ...]]:
+    """A closure running ``fn``'s backward (dx and dweight) on a fresh graph over ``x``,
+    and the inputs it reads (x, dy, the weights)."""
     leaf = x.detach().clone().requires_grad_()
     out = fn(leaf)
     gy = torch.randn_like(out)
-    wrt = [leaf] + [p for p in br._weights(fn) if p.requires_grad]
-    return lambda: torch.autograd.grad([out], wrt, [gy], retain_graph=True, allow_unused=True)
+    weights = [p for p in br._weights(fn) if p.requires_grad]
+    wrt = [leaf, *weights]
+
+    def call() -> object:
+        return torch.autograd.grad([out], wrt, [gy], retain_graph=True, allow_unused=True)
+
+    return call, tuple(t.detach() for t in [leaf, gy, *weights])
 
 
 def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
-              before: Callable | None) -> float:
+              before: Callable, inputs: tuple[torch.Tensor, ...]) -> float:
     """Median GPU microseconds of ``call`` after the prelude ``mode`` names."""
     cycles = int(dt.HIDE_HOST_MS * dt.sleep_cycles_per_ms())
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(calls)]
     for start, end in events:
-        if mode != "warm":
+        if mode in FLUSHED:
             flush.zero_()
-        if mode == "code warm":
+        if mode in ("code warm", "warm after other"):
             before()
+        elif mode == "pages warm":
+            for t in inputs:
+                t.view(-1)[:1].sum()
+        elif mode == "data warm":
+            for t in inputs:
+                t.sum()
         torch.cuda._sleep(cycles)
         start.record()
         call()
@@ -90,26 +111,26 @@ def main() -> None:
         for name, fn in br.peers_norm(w).items():
             if name not in WANT:
                 continue
-            call, other = backward_call(fn, x), backward_call(fn, x2)
+            (call, inputs), (other, _) = backward_call(fn, x), backward_call(fn, x2)
             for _ in range(5):
                 call()
                 other()
             for mode in MODES:
-                jobs[(f"{rows}x2048", name, mode)] = (call, other)
+                jobs[(f"{rows}x2048", name, mode)] = (call, other, inputs)
     times: dict = {key: [] for key in jobs}
     for r in range(args.rounds):
-        for key, (call, other) in jobs.items():
-            times[key].append(device_us(call, key[2], args.calls, flush, other))
+        for key, (call, other, inputs) in jobs.items():
+            times[key].append(device_us(call, key[2], args.calls, flush, other, inputs))
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows_out = [{"case": c, "backend": b, "mode": m, "device_us": statistics.median(t),
                  "rounds_us": t} for (c, b, m), t in times.items()]
-    print(f"{'case':10} {'backend':30} " + " ".join(f"{m:>10}" for m in MODES))
+    print(f"{'case':10} {'backend':30} " + " ".join(f"{m:>16}" for m in MODES))
     for case in dict.fromkeys(k[0] for k in jobs):
         for name in WANT:
             vals = [statistics.median(times[(case, name, m)]) for m in MODES
                     if (case, name, m) in times]
             if vals:
-                print(f"{case:10} {name:30} " + " ".join(f"{v:10.2f}" for v in vals))
+                print(f"{case:10} {name:30} " + " ".join(f"{v:16.2f}" for v in vals))
     args.out.mkdir(parents=True, exist_ok=True)
     dest = args.out / "code_warmth_small.json"
     dest.write_text(json.dumps({"device": torch.cuda.get_device_name(), "calls": args.calls,
