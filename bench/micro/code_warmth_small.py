@@ -133,7 +133,11 @@ def main() -> None:
                 print(f"{case:10} {name:30} " + " ".join(f"{v:16.2f}" for v in vals))
     args.out.mkdir(parents=True, exist_ok=True)
     dest = args.out / "code_warmth_small.json"
+    from normspec.report import git_state
+
     dest.write_text(json.dumps({"device": torch.cuda.get_device_name(), "calls": args.calls,
+                                "rounds": args.rounds, "git": git_state(),
+                                "command": "python3 " + " ".join(sys.argv),
                                 "rows": rows_out}, indent=1))
     print(f"wrote {dest}")
 
