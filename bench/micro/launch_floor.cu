@@ -1,0 +1,115 @@
+// What a one-block kernel's start costs after the bench's L2 flush, by parameter size and
+// by code size, with no data to fetch: the question the 1 x 2048 rms backward left
+// (notes/perf.md §29). There, warming the kernel's inputs in L2 did not move ours nor
+// torch.compile's; warming its code (the same call on other rows after the flush) took
+// about 0.4 us from both and left ours 0.14 us behind; with no flush they were level.
+// Ours is 392 SASS with about 100 bytes of parameters, triton's 176 SASS with about 70.
+//
+// Two families of kernels, one block of 128 threads each:
+//   param P: an empty kernel whose parameters are P bytes (it reads the first and the last
+//     word), P = 8 .. 1024;
+//   code N: N steps of x = x * a + b on eight independent registers (-fmad=false: an FMUL
+//     and an FADD each), so about 2N SASS executed once, straight-line; "skip" has the same
+//     code behind a branch that is not taken (fetched, or not, but not executed).
+// Each is timed three ways: cold (after a 512 MiB memset, as micro_util.cuh's Timer and
+// the bench do), code warm (after the memset, the same kernel once more, untimed), warm (no
+// memset). The slope of cold against N says what a SASS instruction costs to fetch from
+// DRAM; compare it with (392 - 176) SASS and the 0.14-0.2 us gap.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
+//        bench/micro/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor
+//
+// Prints a table (median us of 200 launches per mode). SASS per kernel (cuobjdump of this
+// build, NOPs included): code N = 1, 64, 128, 256, 512, 1024: 48, 176, 304, 560, 1072,
+// 2096 (the skip forms the same); param P: 24 each.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "micro_util.cuh"
+
+template <int P>
+struct ParamBlock {
+  unsigned w[P / 4];
+};
+
+template <int P>
+__global__ void param_kernel(ParamBlock<P> p, int* sink) {
+  // never true for the zero block launched; reads both ends of the parameters
+  if ((p.w[0] ^ p.w[P / 4 - 1]) == 0xdeadbeefu && threadIdx.x == 0) sink[0] = 1;
+}
+
+template <int N, bool SKIP>
+__global__ void code_kernel(float a, float b, float* sink) {
+  float x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(threadIdx.x + i);
+  if (!SKIP || a == 12345.0f) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i & 7] = x[i & 7] * a + b;
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += x[i];
+  if (s == 1234.5f) sink[threadIdx.x] = s;  // keeps the steps; never true here
+}
+
+enum class Mode { kCold, kCodeWarm, kWarm };
+static const char* mode_name(Mode m) {
+  return m == Mode::kCold ? "cold" : m == Mode::kCodeWarm ? "code warm" : "warm";
+}
+
+// Median us of `launch` in `mode` (Timer flushes before every timed launch; warm skips it).
+template <typename F>
+static float time_mode(Timer& timer, Mode mode, F launch) {
+  const size_t bytes = timer.flush_bytes;
+  if (mode == Mode::kWarm) timer.flush_bytes = 0;
+  float us = mode == Mode::kCodeWarm ? timer.median_us_after(launch, launch, 200)
+                                     : timer.median_us(launch, 200);
+  timer.flush_bytes = bytes;
+  return us;
+}
+
+template <int P>
+static void param_row(Timer& timer, int* sink) {
+  ParamBlock<P> p{};
+  std::printf("param %5d B          ", P);
+  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
+    std::printf(" %10.2f", time_mode(timer, m, [&] { param_kernel<P><<<1, 128>>>(p, sink); }));
+  std::printf("\n");
+}
+
+template <int N, bool SKIP>
+static void code_row(Timer& timer, float* sink) {
+  std::printf("code %5d steps%s", N, SKIP ? " skip" : "     ");
+  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
+    std::printf(" %10.2f",
+                time_mode(timer, m, [&] { code_kernel<N, SKIP><<<1, 128>>>(1.0f, 0.5f, sink); }));
+  std::printf("\n");
+}
+
+int main() {
+  Timer timer;
+  int* isink = nullptr;
+  float* fsink = nullptr;
+  CK(cudaMalloc(&isink, 4096));
+  CK(cudaMalloc(&fsink, 4096));
+  std::printf("%-22s", "kernel (1 x 128)");
+  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm}) std::printf(" %10s", mode_name(m));
+  std::printf("   (median us)\n");
+  param_row<8>(timer, isink);
+  param_row<64>(timer, isink);
+  param_row<128>(timer, isink);
+  param_row<256>(timer, isink);
+  param_row<1024>(timer, isink);
+  code_row<1, false>(timer, fsink);
+  code_row<64, false>(timer, fsink);
+  code_row<128, false>(timer, fsink);
+  code_row<256, false>(timer, fsink);
+  code_row<512, false>(timer, fsink);
+  code_row<1024, false>(timer, fsink);
+  code_row<512, true>(timer, fsink);
+  code_row<1024, true>(timer, fsink);
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
