@@ -1478,14 +1478,17 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // 15; cuobjdump: 38 now). H200 harness, 3 rounds, equal hashes: 64 x 2048 backward
 // 6.82 -> 6.62 us, 1 x 2048 3.94 -> 3.84 (both within 3.74-3.94 in single rounds), large
 // rows level (bench/results/sweeps/bwd_row_per_block.json, notes §26).
-template <typename T, int NP, int FULL_TL, bool SAVED>
+template <typename T, int NP, int FULL_TL, bool SAVED, bool ONE_RAW = false>
 __global__ void __launch_bounds__(256)
     normspec_bwd_row_kernel(const T* __restrict__ x, const void* __restrict__ w,
                             const T* __restrict__ dy, T* __restrict__ dx,
                             float* __restrict__ ws, long long rows, long long sx,
-                            long long sdy, long long sdx, float eps, float offset, int flags,
+                            long long sdy, long long sdx, float eps, float offset, int flags_,
                             const float* __restrict__ rstd_in) {
   using namespace normspec;
+  // ONE_RAW: the launch's F_W_RAW and F_DW_FINAL are set and F_LET_DEPENDENTS clear, as
+  // constants, so the fp32 weight's loads and the workspace stores are not in the code
+  const int flags = ONE_RAW ? ((flags_ | F_W_RAW | F_DW_FINAL) & ~F_LET_DEPENDENTS) : flags_;
   constexpr int OP = OP_RMS;
   constexpr int VEC = VecOf<T>::value;
   constexpr int S = VEC << FULL_TL;
