@@ -810,9 +810,10 @@ inline bool bwd_row_enabled() {
 
 // NORMSPEC_BWD_ROW_CONST=1 (an experiment, off by default): the one-row kernel's launches
 // of one row with a weight of the input dtype and the saved rstd (F_W_RAW and F_DW_FINAL
-// set, F_LET_DEPENDENTS clear) take its ONE_RAW form, those flags as constants: the fp32
-// weight's loads and the workspace stores leave the code (sm_90a: 344 SASS against 392,
-// 54 registers against 63), to tell whether the 1 x 2048 backward's gap to torch.compile
+// set, F_LET_DEPENDENTS clear) take its ONE_RAW form, those flags and the row (0) as
+// constants: the fp32 weight's loads, the workspace stores and the strides leave the code
+// (sm_90a: 312 SASS against 392, 48 registers against 63, the first load at SASS 12
+// against 38), to tell whether the 1 x 2048 backward's gap to torch.compile
 // (0.14-0.2 us after the bench's L2 flush, none without it) is the code's size
 // (notes/perf.md §29).
 inline bool bwd_row_const_enabled() {

@@ -1499,6 +1499,9 @@ __global__ void __launch_bounds__(256)
   const int tcol = tm.lane * VEC;  // (the mask tells the compiler tcol < H)
   const long long row = PER_BLOCK ? static_cast<long long>(blockIdx.x) : tm.slot;
   const bool active = PER_BLOCK || row < rows;
+  // ONE_RAW launches have one row (F_DW_FINAL: one dweight group of one row), row 0 of
+  // the first team: its addresses are the base pointers, and no stride is read
+  const long long at = ONE_RAW ? 0 : row;
   // chained tree launches follow (normspec::chained_launches): they wait for this grid
   if (flags & F_LET_DEPENDENTS) let_dependents_launch();
   uint4 cx[NP], cdy[NP];
@@ -1506,11 +1509,11 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int p = 0; p < NP; ++p) cx[p] = cdy[p] = make_uint4(0u, 0u, 0u, 0u);
   if (active) {
-    if constexpr (SAVED) rstd = __ldg(rstd_in + row);
+    if constexpr (SAVED) rstd = __ldg(rstd_in + at);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
-      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, H);
-      cdy[p] = load_raw<T>(dy + row * sdy, p * S + tcol, H);
+      cx[p] = load_raw<T>(x + at * sx, p * S + tcol, H);
+      cdy[p] = load_raw<T>(dy + at * sdy, p * S + tcol, H);
     }
   }
   float g[NP][VEC];
@@ -1533,7 +1536,7 @@ __global__ void __launch_bounds__(256)
       if (flags & F_DW_FINAL)
         store_row<T>(reinterpret_cast<T*>(ws), col, H, c);
       else
-        store_vec<float, VEC>(ws + row * H, col, H, true, c);
+        store_vec<float, VEC>(ws + at * H, col, H, true, c);
     }
   }
   team_reduce_pipe<NP, VEC>(part, H, FULL_TL, red[1]);
@@ -1544,7 +1547,7 @@ __global__ void __launch_bounds__(256)
       float v[VEC], out[VEC];
       norm_input_raw<OP, T>(cx[p], cx[p], flags, v);
       dx_of_vec<VEC>(v, dxh[p], rstd, m, out);
-      store_row<T>(dx + row * sdx, p * S + tcol, H, out);
+      store_row<T>(dx + at * sdx, p * S + tcol, H, out);
     }
   }
 }
