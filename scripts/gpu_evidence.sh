@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -91,6 +91,12 @@ for s in $stages; do
       cp "$OUT/ncu/gated_fwd_ours_sass.csv" "bench/results/ncu/gated_fwd_sass_${gpu}.csv" 2>/dev/null
       cp "$OUT/ncu/gated_fwd_peers_sass.csv" \
         "bench/results/ncu/gated_fwd_sass_torch_compile_${gpu}.csv" 2>/dev/null ;;
+    launch-floor)  # a one-block kernel's start after the L2 flush by parameter and code size
+      run ${MICRO_LIMIT:-120} launch-floor bash -c "nvcc -O3 -std=c++17 -arch=native \
+        -fmad=false -Ibackends/csrc bench/micro/launch_floor.cu -o /tmp/launch_floor \
+        && /tmp/launch_floor" ;;
+    code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
+      run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
