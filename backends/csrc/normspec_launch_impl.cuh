@@ -832,7 +832,8 @@ void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
   auto kernel = normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED>;
   if constexpr (SAVED && sizeof(T) == 2) {
     constexpr int kOneRaw = F_W_RAW | F_DW_FINAL;
-    if ((a.flags & (kOneRaw | F_LET_DEPENDENTS)) == kOneRaw && bwd_row_const_enabled())
+    if (a.rows == 1 && (a.flags & (kOneRaw | F_LET_DEPENDENTS)) == kOneRaw &&
+        bwd_row_const_enabled())
       kernel = normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED, true>;
   }
   kernel<<<grid, g.block(), 0, stream>>>(
