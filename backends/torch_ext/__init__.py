@@ -93,7 +93,9 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_BWD_ROW_CONST=1`` (an experiment, off by default): the rms backward of a
   single row with a weight of the input's 16-bit dtype and the saved rstd runs the
   one-row kernel in a form that takes those facts as compile-time constants (the same
-  bits, a smaller kernel: 312 SASS instructions against 392 on sm_90a); not yet timed.
+  device functions, so meant to give the same bits; a smaller kernel: 312 SASS
+  instructions against 392 on sm_90a). Not yet run on a GPU: neither its bits test nor
+  its timing.
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
