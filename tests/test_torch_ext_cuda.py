@@ -433,11 +433,7 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     workspace tree, no cast launch). The bits equal the spec's (specials included,
     with and without the saved rstd) and the backward is a single kernel: the one-row
     rms kernel where the row fills a constant geometry (H = 128 and 2048), else the
-    pipelined kernel. Where the row kernel runs, its form too: with the saved rstd and
-    ``NORMSPEC_BWD_ROW_CONST=1`` the ONE_RAW one, else the general one."""
-    import os
-    import re
-
+    pipelined kernel."""
     check_case(op, params, (1, hidden), dtype, dtype, hidden, specials=True)
     check_case(op, params, (1, hidden), dtype, dtype, hidden + 1, specials=False)
     rows, weight, grads = make_case(op, params, (1, hidden), dtype, dtype, 0, specials=False)
@@ -446,22 +442,10 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
     row_kernel = op == "rms_norm" and hidden in (128, 2048)
     kernel = "normspec_bwd_row_kernel" if row_kernel else "normspec_bwd_pipe_kernel"
-    const_form = os.environ.get("NORMSPEC_BWD_ROW_CONST") == "1"
     for saved in (None, rstd):
         names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
                                                                    params, rstd=saved))
         assert len(names) == 1 and kernel in names[0], names
-        if row_kernel:  # its last template argument: ONE_RAW, the flags as constants
-            last = "(true|1)" if const_form and saved is not None else "(false|0)"
-            assert re.search(rf"normspec_bwd_row_kernel<[^>]*, {last}>", names[0]), names
-
-
-def test_one_row_backward_with_constant_flags():
-    """With ``NORMSPEC_BWD_ROW_CONST=1`` the one-row backward of one row with the saved
-    rstd runs the row kernel's ONE_RAW form (its weight and dweight flags as constants):
-    the test above, with the spec's bits and that form's name checked, in a child process
-    with the switch."""
-    child_pytest_with({"NORMSPEC_BWD_ROW_CONST": "1"}, "one_row_backward_is_one_launch")
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------

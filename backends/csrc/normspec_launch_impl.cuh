@@ -36,9 +36,6 @@
 //   NORMSPEC_GATED_BWD_PACKED_W=0  (the hf gated backward's constant form for a bf16
 //                                   weight with its two weight products in fp32 and a
 //                                   rounding, not in packed bf16; gated_bwd_packed_w_enabled)
-//   NORMSPEC_BWD_ROW_CONST=1  (an experiment: the one-row backward of one row with a
-//                             weight of the input dtype in its form with those flags as
-//                             constants; bwd_row_const_enabled)
 // replace the team size (the pipelined kernels take 1..256 threads, the
 // register kernels 32 and more); NP is then the smallest of 1, 2, 4 with
 // NP * threads * VEC >= H, and where none fits the default geometry
@@ -808,19 +805,6 @@ inline bool bwd_row_enabled() {
   return on;
 }
 
-// NORMSPEC_BWD_ROW_CONST=1 (an experiment, off by default): the one-row kernel's launches
-// of one row with a weight of the input dtype and the saved rstd (F_W_RAW and F_DW_FINAL
-// set, F_LET_DEPENDENTS clear) take its ONE_RAW form, those flags and the row (0) as
-// constants: the fp32 weight's loads, the workspace stores and the strides leave the code
-// (sm_90a: 312 SASS against 392, 48 registers against 63, the first load at SASS 12
-// against 38), to tell whether the 1 x 2048 backward's gap to torch.compile
-// (0.14-0.2 us after the bench's L2 flush, none without it) is the code's size
-// (notes/perf.md §29).
-inline bool bwd_row_const_enabled() {
-  static const bool on = env_is("NORMSPEC_BWD_ROW_CONST", '1');
-  return on;
-}
-
 template <typename T, int NP, int FULL_TL, bool SAVED>
 void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
   const void* w = nullptr;
@@ -829,14 +813,7 @@ void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
   g.team_log = FULL_TL;
   g.np = NP;
   const unsigned grid = grid_for(a.rows, static_cast<int>(g.teams_per_block()));
-  auto kernel = normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED>;
-  if constexpr (SAVED && sizeof(T) == 2) {
-    constexpr int kOneRaw = F_W_RAW | F_DW_FINAL;
-    if (a.rows == 1 && (a.flags & (kOneRaw | F_LET_DEPENDENTS)) == kOneRaw &&
-        bwd_row_const_enabled())
-      kernel = normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED, true>;
-  }
-  kernel<<<grid, g.block(), 0, stream>>>(
+  normspec_bwd_row_kernel<T, NP, FULL_TL, SAVED><<<grid, g.block(), 0, stream>>>(
       static_cast<const T*>(a.x), w, static_cast<const T*>(a.dy), static_cast<T*>(a.y), ws,
       a.rows, a.sx, a.sdy, a.sy, a.eps, a.offset, a.flags, SAVED ? a.rstd_in : nullptr);
 }

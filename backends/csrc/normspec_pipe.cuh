@@ -1478,17 +1478,14 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // 15; cuobjdump: 38 now). H200 harness, 3 rounds, equal hashes: 64 x 2048 backward
 // 6.82 -> 6.62 us, 1 x 2048 3.94 -> 3.84 (both within 3.74-3.94 in single rounds), large
 // rows level (bench/results/sweeps/bwd_row_per_block.json, notes §26).
-template <typename T, int NP, int FULL_TL, bool SAVED, bool ONE_RAW = false>
+template <typename T, int NP, int FULL_TL, bool SAVED>
 __global__ void __launch_bounds__(256)
     normspec_bwd_row_kernel(const T* __restrict__ x, const void* __restrict__ w,
                             const T* __restrict__ dy, T* __restrict__ dx,
                             float* __restrict__ ws, long long rows, long long sx,
-                            long long sdy, long long sdx, float eps, float offset, int flags_,
+                            long long sdy, long long sdx, float eps, float offset, int flags,
                             const float* __restrict__ rstd_in) {
   using namespace normspec;
-  // ONE_RAW: the launch's F_W_RAW and F_DW_FINAL are set and F_LET_DEPENDENTS clear, as
-  // constants, so the fp32 weight's loads and the workspace stores are not in the code
-  const int flags = ONE_RAW ? ((flags_ | F_W_RAW | F_DW_FINAL) & ~F_LET_DEPENDENTS) : flags_;
   constexpr int OP = OP_RMS;
   constexpr int VEC = VecOf<T>::value;
   constexpr int S = VEC << FULL_TL;
@@ -1499,9 +1496,6 @@ __global__ void __launch_bounds__(256)
   const int tcol = tm.lane * VEC;  // (the mask tells the compiler tcol < H)
   const long long row = PER_BLOCK ? static_cast<long long>(blockIdx.x) : tm.slot;
   const bool active = PER_BLOCK || row < rows;
-  // ONE_RAW launches have one row (F_DW_FINAL: one dweight group of one row), row 0 of
-  // the first team: its addresses are the base pointers, and no stride is read
-  const long long at = ONE_RAW ? 0 : row;
   // chained tree launches follow (normspec::chained_launches): they wait for this grid
   if (flags & F_LET_DEPENDENTS) let_dependents_launch();
   uint4 cx[NP], cdy[NP];
@@ -1509,11 +1503,11 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int p = 0; p < NP; ++p) cx[p] = cdy[p] = make_uint4(0u, 0u, 0u, 0u);
   if (active) {
-    if constexpr (SAVED) rstd = __ldg(rstd_in + at);
+    if constexpr (SAVED) rstd = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
-      cx[p] = load_raw<T>(x + at * sx, p * S + tcol, H);
-      cdy[p] = load_raw<T>(dy + at * sdy, p * S + tcol, H);
+      cx[p] = load_raw<T>(x + row * sx, p * S + tcol, H);
+      cdy[p] = load_raw<T>(dy + row * sdy, p * S + tcol, H);
     }
   }
   float g[NP][VEC];
@@ -1536,7 +1530,7 @@ __global__ void __launch_bounds__(256)
       if (flags & F_DW_FINAL)
         store_row<T>(reinterpret_cast<T*>(ws), col, H, c);
       else
-        store_vec<float, VEC>(ws + at * H, col, H, true, c);
+        store_vec<float, VEC>(ws + row * H, col, H, true, c);
     }
   }
   team_reduce_pipe<NP, VEC>(part, H, FULL_TL, red[1]);
@@ -1547,7 +1541,7 @@ __global__ void __launch_bounds__(256)
       float v[VEC], out[VEC];
       norm_input_raw<OP, T>(cx[p], cx[p], flags, v);
       dx_of_vec<VEC>(v, dxh[p], rstd, m, out);
-      store_row<T>(dx + at * sdx, p * S + tcol, H, out);
+      store_row<T>(dx + row * sdx, p * S + tcol, H, out);
     }
   }
 }

@@ -89,13 +89,7 @@ the same bits; these variables only change speed (read once per process):
   convention with a bf16 weight takes its two products with the weight (the weighted
   output for dgate, and dxhat) in fp32 with a rounding after, instead of two values at
   a time in bf16, each rounded once (the same bits; on an H200, 2**21 x 128:
-  778.9-779.8 us against 775.4-776.5);
-* ``NORMSPEC_BWD_ROW_CONST=1`` (an experiment, off by default): the rms backward of a
-  single row with a weight of the input's 16-bit dtype and the saved rstd runs the
-  one-row kernel in a form that takes those facts as compile-time constants (the same
-  device functions, so meant to give the same bits; a smaller kernel: 312 SASS
-  instructions against 392 on sm_90a). Not yet run on a GPU: neither its bits test nor
-  its timing.
+  778.9-779.8 us against 775.4-776.5).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
