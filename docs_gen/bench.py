@@ -23,10 +23,19 @@ the device time and the host time, with TB/s and copy fraction from the
 device time. Divergence matrices written by
 ``normspec compare`` under ``reports/compare/`` (PNG heatmaps, JSON) are shown
 on the same page and on the operator pages.
+
+Multi-process rankings (``bench/results/repeat/*.json``, written by
+``bench/repeat.py``) have the same rows with the median over the processes under
+``device_us`` (or ``us``) and every process's time under ``device_us_processes``
+(or ``us_processes``). The page ranks them with ``bench/repeat.py``'s own ``rank``:
+ours against the fastest peer, median and range over the processes. A case of a few
+microseconds moves between processes by as much as the gaps between backends, so the
+small-batch verdicts come from these files, not from one process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from collections.abc import Mapping, Sequence
@@ -34,10 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchResult", "against_fastest_peer", "benchmarks_page", "load_results",
-           "plot_png"]
+__all__ = ["BenchResult", "against_fastest_peer", "benchmarks_page", "load_repeats",
+           "load_results", "plot_png", "repeats_section"]
 
 DIRECTIONS = ("forward", "backward")
+#: ``bench/repeat.py``, whose ``rank`` the page uses for multi-process files.
+REPEAT_SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "repeat.py"
 ROW_KEYS = ("name", "shape", "backend", "direction", "us", "tbps", "copy_fraction")
 
 
@@ -76,6 +87,79 @@ def load_results(directory: Path) -> list[BenchResult]:
                 raise BenchResultError(f"{path}: rows[{i}] lacks {missing}")
         out.append(BenchResult(path, data.get("environment") or {}, data["rows"]))
     return out
+
+
+def load_repeats(directory: Path) -> list[BenchResult]:
+    """Every ``*.json`` under ``directory`` written by ``bench/repeat.py``, checked (each
+    row names its case and carries every process's time), sorted by name."""
+    out = []
+    if not directory.is_dir():
+        return out
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchResultError(f"{path}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise BenchResultError(f"{path}: expected an object with a 'rows' list")
+        for i, row in enumerate(data["rows"]):
+            missing = [k for k in ("name", "shape", "backend", "direction") if k not in row]
+            if missing:
+                raise BenchResultError(f"{path}: rows[{i}] lacks {missing}")
+            if not any(isinstance(row.get(f"{f}_processes"), list) for f in ("device_us", "us")):
+                raise BenchResultError(
+                    f"{path}: rows[{i}] has neither 'device_us_processes' nor "
+                    "'us_processes' (a file of bench/repeat.py has one per row)")
+        out.append(BenchResult(path, data.get("environment") or {}, data["rows"]))
+    return out
+
+
+def _repeat_rank(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """``bench/repeat.py``'s ``rank`` of ``rows`` (that script is not in a package)."""
+    spec = importlib.util.spec_from_file_location("normspec_bench_repeat", REPEAT_SCRIPT)
+    if spec is None or spec.loader is None:
+        raise BenchResultError(f"cannot load {REPEAT_SCRIPT} to rank multi-process results")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.rank([dict(r) for r in rows])
+
+
+def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
+    """Markdown lines: per multi-process file, each of our backends per case and direction
+    against the fastest peer, median [min-max] over the processes and the verdict
+    (``met`` when ours is no slower; ``ranges overlap`` when the gap is within what
+    the processes moved). Empty without files."""
+    if not repeats:
+        return []
+    lines = ["## Small cases over several processes", "",
+             "Each case timed in several fresh processes (`bench/repeat.py`); medians over "
+             "the processes with their range. These, not one process's times, decide the "
+             "small-batch comparisons.", ""]
+    for res in repeats:
+        env = res.environment
+        lines += [f"### {res.stem}", "", f"From `bench/results/repeat/{res.path.name}`"
+                  + "".join(f"; {k}: `{_cell(v)}`" for k, v in _flatten(env)
+                            if k in ("processes", "git.commit", "date", "device_name"))
+                  + ".", ""]
+        if env.get("command"):
+            lines += [f"Command: `{_cell(env['command'])}`", ""]
+        lines += ["| case | shape | direction | ours | µs [range] | fastest peer "
+                  "| µs [range] | verdict |",
+                  "| --- | --- | --- | --- | ---: | --- | ---: | --- |"]
+        for e in _repeat_rank(res.rows):
+            mine = f"{e['median']:.2f} [{e['range'][0]:.2f}–{e['range'][1]:.2f}]"
+            if e["peer"] is None:
+                theirs, verdict, peer = "—", "—", "—"
+            else:
+                theirs = (f"{e['peer_median']:.2f} "
+                          f"[{e['peer_range'][0]:.2f}–{e['peer_range'][1]:.2f}]")
+                verdict = ("met" if e["met"] else "**missed**") + (
+                    " (ranges overlap)" if e["overlap"] else "")
+                peer = f"`{_cell(e['peer'])}`"
+            lines.append(f"| `{_cell(e['name'])}` | {_shape(e['shape'])} | {e['direction']} "
+                         f"| `{_cell(e['backend'])}` | {mine} | {peer} | {theirs} | {verdict} |")
+        lines.append("")
+    return lines
 
 
 def _flatten(env: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -186,14 +270,18 @@ def against_fastest_peer(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             + " | ours against it |",
             "| --- | --- | --- | --- | ---: | --- | ---: | ---: |", *table, "",
             "Negative: ours is faster. Cases of a few microseconds move by a few percent "
-            "between processes; `bench/repeat.py` ranks them over several.", ""]
+            "between processes; `bench/repeat.py` ranks them over several (see the "
+            "multi-process section where one is committed).", ""]
 
 
 def benchmarks_page(
     results: Sequence[BenchResult], compare_files: Sequence[Path] = (),
     image_dir: str = "assets/bench", compare_dir: str = "assets/compare",
+    repeats: Sequence[BenchResult] = (),
 ) -> tuple[str, dict[str, bytes]]:
-    """The page's Markdown and the generated files (site path -> bytes)."""
+    """The page's Markdown and the generated files (site path -> bytes): the
+    multi-process rankings (``repeats``) first, then each results file's tables and
+    plots, then the divergence matrices."""
     files: dict[str, bytes] = {}
     lines = [
         "# Benchmarks",
@@ -207,6 +295,7 @@ def benchmarks_page(
         lines += ['!!! note "No benchmark results committed yet"', "",
                   "    `bench/results/` holds no `*.json` file yet. Once a run's results "
                   "are committed there, this page shows their tables and plots.", ""]
+    lines += repeats_section(repeats)
     for res in results:
         lines += [f"## {res.stem}", "", f"From `bench/results/{res.path.name}`.", ""]
         env = _flatten(res.environment)

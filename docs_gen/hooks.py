@@ -7,7 +7,8 @@
   is installed; an editable install maps those sub-packages in a way griffe does
   not follow.
 * ``on_files``: adds the generated pages (one per operator, the conformance
-  overview, backends, CLI, benchmarks), the benchmark plots, the divergence
+  overview, backends, CLI, benchmarks with the multi-process rankings of
+  ``bench/results/repeat/``), the benchmark plots, the divergence
   matrices and the KaTeX files (see `docs_gen.katex`).
 * ``on_page_markdown``: puts the README's quickstart commands into the home page.
 * ``on_serve``: ``mkdocs serve`` also rebuilds when the sources of the
@@ -94,14 +95,16 @@ def on_files(files: Files, config) -> Files:
     try:
         reports = conformance.load_reports(_reports_dir())
         results = bench.load_results(_bench_dir())
+        repeats = bench.load_repeats(_bench_dir() / "repeat")
         assets = katex.katex_assets()
     except (conformance.ReportError, bench.BenchResultError, katex.KatexUnavailableError) as exc:
         raise PluginError(str(exc)) from None
     compare_dir = _reports_dir() / "compare"
     compare = sorted(p for p in compare_dir.glob("*") if p.suffix in (".png", ".json")) \
         if compare_dir.is_dir() else []
-    log.info("normspec docs: %d conformance report(s), %d benchmark file(s), %d divergence "
-             "file(s)", len(reports), len(results), len(compare))
+    log.info("normspec docs: %d conformance report(s), %d benchmark file(s), %d "
+             "multi-process ranking(s), %d divergence file(s)", len(reports), len(results),
+             len(repeats), len(compare))
     heatmaps = _heatmaps(compare)
     for name in pages.OPS:
         _add(files, config, f"operators/{name}.md",
@@ -109,7 +112,7 @@ def on_files(files: Files, config) -> Files:
     _add(files, config, "conformance.md", pages.conformance_page(reports))
     _add(files, config, "backends/index.md", pages.backends_page())
     _add(files, config, "reference/cli.md", pages.cli_page())
-    page, generated = bench.benchmarks_page(results, compare)
+    page, generated = bench.benchmarks_page(results, compare, repeats=repeats)
     _add(files, config, "benchmarks.md", page)
     for path, data in generated.items():
         _add(files, config, path, data)

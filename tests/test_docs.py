@@ -212,6 +212,40 @@ def test_ours_against_the_fastest_peer():
     assert bench.against_fastest_peer([row("liger", "forward", 4.0)]) == []
 
 
+def test_benchmarks_page_ranks_multi_process_files(tmp_path):
+    """Files of ``bench/repeat.py`` (every process's time per row) are ranked as that
+    script ranks them: median [range] of ours and of the fastest peer, and the verdict."""
+    def row(backend, direction, times):
+        return {"name": "rms_norm", "shape": [1, 2048], "backend": backend,
+                "direction": direction, "device_us": sorted(times)[1],
+                "device_us_processes": times}
+
+    rows = [row("torch.compile (transformers)", "backward", [4.35, 4.27, 4.38]),
+            row("normspec torch_ext", "backward", [4.42, 4.45, 4.50]),
+            row("liger", "forward", [4.45, 4.45, 4.42]),
+            row("normspec torch_ext", "forward", [4.35, 4.50, 4.35]),
+            row("device copy (same bytes)", "forward", [1.0, 1.0, 1.0])]
+    env = {"processes": 3, "git": {"commit": "abc1234"}, "command": "bench/repeat.py x|y"}
+    (tmp_path / "small.json").write_text(json.dumps({"environment": env, "rows": rows}))
+    repeats = bench.load_repeats(tmp_path)
+    md = "\n".join(bench.repeats_section(repeats))
+    assert "## Small cases over several processes" in md
+    assert "processes: `3`; git.commit: `abc1234`" in md
+    assert "Command: `bench/repeat.py x\\|y`" in md
+    assert ("| `rms_norm` | 1×2048 | backward | `normspec torch_ext` | 4.45 [4.42–4.50] "
+            "| `torch.compile (transformers)` | 4.35 [4.27–4.38] | **missed** |") in md
+    assert ("| `rms_norm` | 1×2048 | forward | `normspec torch_ext` | 4.35 [4.35–4.50] "
+            "| `liger` | 4.45 [4.42–4.45] | met (ranges overlap) |") in md
+    page, _ = bench.benchmarks_page([], repeats=repeats)
+    assert md in page
+    assert bench.repeats_section([]) == [] and bench.load_repeats(tmp_path / "none") == []
+    # a results file of one process is not a ranking: the loader names what it lacks
+    del rows[0]["device_us_processes"]
+    (tmp_path / "small.json").write_text(json.dumps({"environment": env, "rows": rows}))
+    with pytest.raises(bench.BenchResultError, match=r"rows\[0\] has neither"):
+        bench.load_repeats(tmp_path)
+
+
 def test_readme_quickstart_is_the_readme_block():
     block = pages.readme_quickstart((ROOT / "README.md").read_text())
     assert block.startswith("```") and "nox -s conformance" in block
