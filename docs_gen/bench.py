@@ -69,8 +69,11 @@ class BenchResult:
         return self.path.stem
 
 
-def load_results(directory: Path) -> list[BenchResult]:
-    """Every ``*.json`` under ``directory``, checked against the schema, sorted by name."""
+def _load_files(directory: Path, required: Sequence[str],
+                processes: bool = False) -> list[BenchResult]:
+    """Every ``*.json`` under ``directory``, sorted by name: an object with a ``rows``
+    list whose rows have the ``required`` keys (and, with ``processes``, every process's
+    time). A file that is not raises `BenchResultError` naming it and what it lacks."""
     out = []
     if not directory.is_dir():
         return out
@@ -82,36 +85,27 @@ def load_results(directory: Path) -> list[BenchResult]:
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise BenchResultError(f"{path}: expected an object with a 'rows' list")
         for i, row in enumerate(data["rows"]):
-            missing = [k for k in ("name", "backend", "direction", "us") if k not in row]
+            missing = [k for k in required if k not in row]
             if missing:
                 raise BenchResultError(f"{path}: rows[{i}] lacks {missing}")
-        out.append(BenchResult(path, data.get("environment") or {}, data["rows"]))
-    return out
-
-
-def load_repeats(directory: Path) -> list[BenchResult]:
-    """Every ``*.json`` under ``directory`` written by ``bench/repeat.py``, checked (each
-    row names its case and carries every process's time), sorted by name."""
-    out = []
-    if not directory.is_dir():
-        return out
-    for path in sorted(directory.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise BenchResultError(f"{path}: not valid JSON: {exc}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            raise BenchResultError(f"{path}: expected an object with a 'rows' list")
-        for i, row in enumerate(data["rows"]):
-            missing = [k for k in ("name", "shape", "backend", "direction") if k not in row]
-            if missing:
-                raise BenchResultError(f"{path}: rows[{i}] lacks {missing}")
-            if not any(isinstance(row.get(f"{f}_processes"), list) for f in ("device_us", "us")):
+            if processes and not any(isinstance(row.get(f"{f}_processes"), list)
+                                     for f in ("device_us", "us")):
                 raise BenchResultError(
                     f"{path}: rows[{i}] has neither 'device_us_processes' nor "
                     "'us_processes' (a file of bench/repeat.py has one per row)")
         out.append(BenchResult(path, data.get("environment") or {}, data["rows"]))
     return out
+
+
+def load_results(directory: Path) -> list[BenchResult]:
+    """Every ``*.json`` under ``directory``, checked against the schema, sorted by name."""
+    return _load_files(directory, ("name", "backend", "direction", "us"))
+
+
+def load_repeats(directory: Path) -> list[BenchResult]:
+    """Every ``*.json`` under ``directory`` written by ``bench/repeat.py``, checked (each
+    row names its case and carries every process's time), sorted by name."""
+    return _load_files(directory, ("name", "shape", "backend", "direction"), processes=True)
 
 
 def _repeat_rank(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
