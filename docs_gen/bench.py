@@ -35,6 +35,7 @@ small-batch verdicts come from these files, not from one process.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import json
@@ -108,14 +109,15 @@ def load_repeats(directory: Path) -> list[BenchResult]:
     return _load_files(directory, ("name", "shape", "backend", "direction"), processes=True)
 
 
-def _repeat_rank(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """``bench/repeat.py``'s ``rank`` of ``rows`` (that script is not in a package)."""
+@functools.cache
+def _repeat_module() -> Any:
+    """``bench/repeat.py`` as a module (that script is not in a package), loaded once."""
     spec = importlib.util.spec_from_file_location("normspec_bench_repeat", REPEAT_SCRIPT)
     if spec is None or spec.loader is None:
         raise BenchResultError(f"cannot load {REPEAT_SCRIPT} to rank multi-process results")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.rank([dict(r) for r in rows])
+    return module
 
 
 def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
@@ -125,7 +127,7 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
     the processes moved). Empty without files."""
     if not repeats:
         return []
-    lines = ["## Small cases over several processes", "",
+    lines = ["## Rankings over several processes", "",
              "Each case timed in several fresh processes (`bench/repeat.py`); medians over "
              "the processes with their range. These, not one process's times, decide the "
              "small-batch comparisons.", ""]
@@ -140,7 +142,7 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
         lines += ["| case | shape | direction | ours | µs [range] | fastest peer "
                   "| µs [range] | verdict |",
                   "| --- | --- | --- | --- | ---: | --- | ---: | --- |"]
-        for e in _repeat_rank(res.rows):
+        for e in _repeat_module().rank([dict(r) for r in res.rows]):
             mine = f"{e['median']:.2f} [{e['range'][0]:.2f}–{e['range'][1]:.2f}]"
             if e["peer"] is None:
                 theirs, verdict, peer = "—", "—", "—"

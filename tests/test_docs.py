@@ -229,7 +229,7 @@ def test_benchmarks_page_ranks_multi_process_files(tmp_path):
     (tmp_path / "small.json").write_text(json.dumps({"environment": env, "rows": rows}))
     repeats = bench.load_repeats(tmp_path)
     md = "\n".join(bench.repeats_section(repeats))
-    assert "## Small cases over several processes" in md
+    assert "## Rankings over several processes" in md
     assert "processes: `3`; git.commit: `abc1234`" in md
     assert "Command: `bench/repeat.py x\\|y`" in md
     assert ("| `rms_norm` | 1×2048 | backward | `normspec torch_ext` | 4.45 [4.42–4.50] "
