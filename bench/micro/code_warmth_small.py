@@ -5,7 +5,7 @@ evicts the kernel's instructions as well as its data. Our one-row rms backward k
 392 SASS instructions, torch.compile's 176, so after the flush ours may wait longer on
 instruction fetch (notes/perf.md §28). This script times the 1 x 2048 and 64 x 2048
 backward (dx and dweight) of our extension and of torch.compile, GPU time alone (a sleep
-kernel hides the host), six ways:
+kernel hides the host), seven ways:
 
 * ``cold``: flush, sleep, call (the bench's timing);
 * ``code warm``: flush, the same call on a second set of rows (its code is then in L2 and
@@ -17,7 +17,11 @@ kernel hides the host), six ways:
 * ``data warm``: flush, a sum over each input, sleep, call (the inputs are in L2, the
   kernel's code is not);
 * ``warm after other``: no flush, the same call on the second rows, sleep, call (``warm``
-  with the prelude ``code warm`` has, to tell the prelude's own effect).
+  with the prelude ``code warm`` has, to tell the prelude's own effect);
+* ``read flush``: the flush buffer read (summed) instead of written, sleep, call. The
+  bench's flush writes, which leaves L2 full of dirty lines, so every line a call then
+  touches first costs a write-back; after a read L2 holds clean lines. If the gap is
+  gone here, the write-backs are where it lies.
 
 If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
 code's size is the cause; if it is gone in ``data warm``, the data's fetch is. Usage (GPU,
@@ -42,8 +46,9 @@ import device_timing as dt
 import run as br  # bench/run.py: the peers and their weights
 
 WANT = ("torch.compile (transformers)", "normspec torch_ext")
-MODES = ("cold", "code warm", "warm", "pages warm", "data warm", "warm after other")
-FLUSHED = ("cold", "code warm", "pages warm", "data warm")
+MODES = ("cold", "code warm", "warm", "pages warm", "data warm", "warm after other",
+         "read flush")
+FLUSHED = ("cold", "code warm", "pages warm", "data warm")  # by a write, as the bench does
 
 
 def backward_call(fn: Callable, x: torch.Tensor
@@ -71,6 +76,8 @@ def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
     for start, end in events:
         if mode in FLUSHED:
             flush.zero_()
+        elif mode == "read flush":
+            flush.sum()
         if mode in ("code warm", "warm after other"):
             before()
         elif mode == "pages warm":
