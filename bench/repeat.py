@@ -8,7 +8,7 @@ fresh process after another, keeps every process's time of every row, and ranks 
 median over the processes: ours against the fastest peer per case and direction, with
 each side's range over the processes, so that a gap inside the ranges reads as what it is.
 
-    python3 bench/repeat.py --processes 3 --out bench/results/probes/small -- \\
+    python3 bench/repeat.py --processes 3 --out bench/results/repeat -- \\
         --case norm:1:2048 --case norm:64:2048 --rounds 5 --backend torch_ext \\
         --backend compile --backend liger
 
@@ -16,6 +16,7 @@ The arguments after ``--`` go to ``bench/run.py`` (all but ``--out``, which this
 sets per process). Writes ``<out>/<gpu>.json``: the first process's environment with the
 command and the process count, and per row the median ``device_us`` (or ``us`` where
 device timing is off) with every process's value. Needs what ``bench/run.py`` needs.
+Files committed under ``bench/results/repeat/`` are ranked on the docs' benchmarks page.
 """
 
 from __future__ import annotations
