@@ -6,23 +6,28 @@
 // Ours is 392 SASS with 96 bytes of parameters (c[0x0][0x210] to 0x26f), triton's 176 SASS
 // reading 48 (0x210 to 0x23f, one 64-byte line of the constant bank).
 //
-// Two families of kernels, one block of 128 threads each:
+// Three families of kernels, one block of 128 threads each:
 //   param P: an empty kernel whose parameters are P bytes (it reads the first and the last
 //     word), P = 8 .. 1024; 48 ends where triton's do, 96 where ours do;
 //   code N: N steps of x = x * a + b on eight independent registers (-fmad=false: an FMUL
 //     and an FADD each), so about 2N SASS executed once, straight-line; "skip" has the same
-//     code behind a branch that is not taken (fetched, or not, but not executed).
+//     code behind a condition that is never true, so one taken branch jumps over it;
+//   jumps J x M (below): J such branches in a row, each over M steps.
 // Each is timed three ways: cold (after a 512 MiB memset, as micro_util.cuh's Timer and
 // the bench do), code warm (after the memset, the same kernel once more, untimed), warm (no
-// memset). The slope of cold against N says what a SASS instruction costs to fetch from
+// memset; a spin kernel without memory traffic hides the host instead). The slope of cold against N says what a SASS instruction costs to fetch from
 // DRAM; compare it with (392 - 176) SASS and the 0.14-0.2 us gap.
+// First run (H200, a594e62, bench/results/probes/launch_floor_a594e62.txt): parameters up
+// to 256 B and the code's fetch cost nothing (code warm = cold); one taken branch over
+// 1072 SASS cost about 0.2 us cold, which the jumps family takes apart.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
 //        bench/micro/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor
 //
 // Prints a table (median us of 200 launches per mode). SASS per kernel (cuobjdump of this
 // build, NOPs included): code N = 1, 64, 128, 256, 512, 1024: 48, 176, 304, 560, 1072,
-// 2096 (the skip forms the same); param P: 24 each.
+// 2096 (the skip forms the same); param P: 24 each; jumps J x M = 1 x 64, 4 x 16, 4 x 64,
+// 16 x 16, 16 x 64: 176, 192, 576, 616, 2152, with J taken branches each.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -57,18 +62,57 @@ __global__ void code_kernel(float a, float b, float* sink) {
   if (s == 1234.5f) sink[threadIdx.x] = s;  // keeps the steps; never true here
 }
 
+// jumps J x M: J taken forward branches in a row, each over a block of M steps that is
+// not executed (each block's condition names its own constant, so they stay apart), with
+// one executed step between them: what a taken branch costs cold, the form of the one-row
+// backward's branches (over the weight dtype's other path and the dweight store's other
+// form; about four) that triton's straight-line kernel does not have (notes §30).
+template <int J, int M>
+__global__ void jumps_kernel(float a, float b, float* sink) {
+  float x[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(threadIdx.x + i);
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    if (a == 12345.0f + static_cast<float>(j)) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) x[i & 7] = x[i & 7] * a + b;
+    }
+    x[j & 7] = x[j & 7] + b;
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += x[i];
+  if (s == 1234.5f) sink[threadIdx.x] = s;  // keeps the blocks; never true here
+}
+
 enum class Mode { kCold, kCodeWarm, kWarm };
 static const char* mode_name(Mode m) {
   return m == Mode::kCold ? "cold" : m == Mode::kCodeWarm ? "code warm" : "warm";
 }
 
-// Median us of `launch` in `mode` (Timer flushes before every timed launch; warm skips it).
+// Keeps the GPU busy for about `cycles` clocks without touching memory: queued before the
+// start event of a warm launch, it hides the host's launch gap as the memset does for the
+// flushed modes (without it, the first run's warm column timed the host, 5.5-6.9 us).
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// Median us of `launch` in `mode` (Timer flushes before every timed launch; warm skips the
+// flush and spins instead).
 template <typename F>
 static float time_mode(Timer& timer, Mode mode, F launch) {
   const size_t bytes = timer.flush_bytes;
-  if (mode == Mode::kWarm) timer.flush_bytes = 0;
-  float us = mode == Mode::kCodeWarm ? timer.median_us_after(launch, launch, 200)
-                                     : timer.median_us(launch, 200);
+  float us;
+  if (mode == Mode::kWarm) {
+    timer.flush_bytes = 0;
+    us = timer.median_us_after([] { spin_kernel<<<1, 32>>>(100000); }, launch, 200);
+  } else {
+    us = mode == Mode::kCodeWarm ? timer.median_us_after(launch, launch, 200)
+                                 : timer.median_us(launch, 200);
+  }
   timer.flush_bytes = bytes;
   return us;
 }
@@ -88,6 +132,15 @@ static void code_row(Timer& timer, float* sink) {
   for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
     std::printf(" %10.2f",
                 time_mode(timer, m, [&] { code_kernel<N, SKIP><<<1, 128>>>(1.0f, 0.5f, sink); }));
+  std::printf("\n");
+}
+
+template <int J, int M>
+static void jumps_row(Timer& timer, float* sink) {
+  std::printf("jumps %3d x %3d steps", J, M);
+  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
+    std::printf(" %10.2f",
+                time_mode(timer, m, [&] { jumps_kernel<J, M><<<1, 128>>>(1.0f, 0.5f, sink); }));
   std::printf("\n");
 }
 
@@ -113,6 +166,11 @@ int main() {
   code_row<1024, false>(timer, fsink);
   code_row<512, true>(timer, fsink);
   code_row<1024, true>(timer, fsink);
+  jumps_row<1, 64>(timer, fsink);
+  jumps_row<4, 16>(timer, fsink);
+  jumps_row<4, 64>(timer, fsink);
+  jumps_row<16, 16>(timer, fsink);
+  jumps_row<16, 64>(timer, fsink);
   CK(cudaDeviceSynchronize());
   return 0;
 }
