@@ -117,31 +117,35 @@ static float time_mode(Timer& timer, Mode mode, F launch) {
   return us;
 }
 
+// One table row: the label, then `launch`'s median us cold, code warm and warm.
+template <typename F>
+static void timed_row(Timer& timer, const char* label, F launch) {
+  std::printf("%-22s", label);
+  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
+    std::printf(" %10.2f", time_mode(timer, m, launch));
+  std::printf("\n");
+}
+
 template <int P>
 static void param_row(Timer& timer) {
   ParamBlock<P> p{};
-  std::printf("param %5d B          ", P);
-  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
-    std::printf(" %10.2f", time_mode(timer, m, [&] { param_kernel<P><<<1, 128>>>(p); }));
-  std::printf("\n");
+  char label[32];
+  std::snprintf(label, sizeof label, "param %5d B", P);
+  timed_row(timer, label, [&] { param_kernel<P><<<1, 128>>>(p); });
 }
 
 template <int N, bool SKIP>
 static void code_row(Timer& timer, float* sink) {
-  std::printf("code %5d steps%s", N, SKIP ? " skip" : "     ");
-  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
-    std::printf(" %10.2f",
-                time_mode(timer, m, [&] { code_kernel<N, SKIP><<<1, 128>>>(1.0f, 0.5f, sink); }));
-  std::printf("\n");
+  char label[32];
+  std::snprintf(label, sizeof label, "code %5d steps%s", N, SKIP ? " skip" : "");
+  timed_row(timer, label, [&] { code_kernel<N, SKIP><<<1, 128>>>(1.0f, 0.5f, sink); });
 }
 
 template <int J, int M>
 static void jumps_row(Timer& timer, float* sink) {
-  std::printf("jumps %3d x %3d steps", J, M);
-  for (Mode m : {Mode::kCold, Mode::kCodeWarm, Mode::kWarm})
-    std::printf(" %10.2f",
-                time_mode(timer, m, [&] { jumps_kernel<J, M><<<1, 128>>>(1.0f, 0.5f, sink); }));
-  std::printf("\n");
+  char label[32];
+  std::snprintf(label, sizeof label, "jumps %3d x %3d steps", J, M);
+  timed_row(timer, label, [&] { jumps_kernel<J, M><<<1, 128>>>(1.0f, 0.5f, sink); });
 }
 
 int main() {
