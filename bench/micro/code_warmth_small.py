@@ -21,19 +21,26 @@ kernel hides the host), seven ways:
 * ``read flush``: the flush buffer read (summed) instead of written, sleep, call. The
   bench's flush writes, which leaves L2 full of dirty lines, so every line a call then
   touches first costs a write-back; after a read L2 holds clean lines. If the gap is
-  gone here, the write-backs are where it lies.
+  gone here, the write-backs are where it lies;
+* ``saved warm``: flush, a sum over the inputs *and* every tensor the autograd graph saved
+  (the forward's rstd among them, which ``data warm`` leaves cold), sleep, call: all the
+  data the call reads is in L2, its code is not;
+* ``saved only``: flush, a sum over the saved tensors that are not inputs (the rstd),
+  sleep, call.
 
 If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
 code's size is the cause; if it is gone in ``data warm``, the data's fetch is. Usage (GPU,
 repository root):
 ``python3 bench/micro/code_warmth_small.py [--out DIR] [--calls 200]``; it prints a table
-(median µs) and writes ``code_warmth_small.json`` under ``--out``.
+(median µs) and writes ``code_warmth_small.json`` under ``--out``; ``--modes`` picks a
+subset of the modes (comma-separated).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -47,14 +54,35 @@ import run as br  # bench/run.py: the peers and their weights
 
 WANT = ("torch.compile (transformers)", "normspec torch_ext")
 MODES = ("cold", "code warm", "warm", "pages warm", "data warm", "warm after other",
-         "read flush")
-FLUSHED = ("cold", "code warm", "pages warm", "data warm")  # by a write, as the bench does
+         "read flush", "saved warm", "saved only")
+# flushed by a write, as the bench does
+FLUSHED = ("cold", "code warm", "pages warm", "data warm", "saved warm", "saved only")
 
 
-def backward_call(fn: Callable, x: torch.Tensor
-                  ) -> tuple[Callable[[], object], tuple[torch.Tensor, ...]]:
+def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor saved for backward in ``out``'s autograd graph, each once: the
+    ``saved_tensors`` of Python-defined nodes (custom ops' and torch.compile's autograd
+    functions) and the ``_saved_*`` tensors of built-in nodes."""
+    found: dict[int, torch.Tensor] = {}
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        values = list(getattr(node, "saved_tensors", None) or ())
+        values += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.numel():
+                found.setdefault(t.data_ptr(), t.detach())
+        todo.extend(f for f, _ in node.next_functions)
+    return list(found.values())
+
+
+def backward_call(fn: Callable, x: torch.Tensor) -> tuple[
+        Callable[[], object], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """A closure running ``fn``'s backward (dx and dweight) on a fresh graph over ``x``,
-    and the inputs it reads (x, dy, the weights)."""
+    the inputs it reads (x, dy, the weights) and the other tensors its graph saved."""
     leaf = x.detach().clone().requires_grad_()
     out = fn(leaf)
     gy = torch.randn_like(out)
@@ -64,11 +92,15 @@ def backward_call(fn: Callable, x: torch.Tensor
     def call() -> object:
         return torch.autograd.grad([out], wrt, [gy], retain_graph=True, allow_unused=True)
 
-    return call, tuple(t.detach() for t in [leaf, gy, *weights])
+    inputs = tuple(t.detach() for t in [leaf, gy, *weights])
+    have = {t.data_ptr() for t in inputs}
+    extra = tuple(t for t in saved_tensors(out) if t.data_ptr() not in have)
+    return call, inputs, extra
 
 
 def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
-              before: Callable, inputs: tuple[torch.Tensor, ...]) -> float:
+              before: Callable, inputs: tuple[torch.Tensor, ...],
+              extra: tuple[torch.Tensor, ...]) -> float:
     """Median GPU microseconds of ``call`` after the prelude ``mode`` names."""
     cycles = int(dt.HIDE_HOST_MS * dt.sleep_cycles_per_ms())
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -83,8 +115,9 @@ def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
         elif mode == "pages warm":
             for t in inputs:
                 t.view(-1)[:1].sum()
-        elif mode == "data warm":
-            for t in inputs:
+        elif mode in ("data warm", "saved warm", "saved only"):
+            for t in {"data warm": inputs, "saved warm": inputs + extra,
+                      "saved only": extra}[mode]:
                 t.sum()
         torch.cuda._sleep(cycles)
         start.record()
@@ -100,7 +133,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per mode")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every case, backend and mode (interleaved)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated subset of: " + ", ".join(MODES))
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        parser.error(f"--modes: unknown {unknown or 'none given'}; expected from {MODES}")
     # torch.compile donates buffers to its backward, which then refuses the repeated
     # autograd.grad(..., retain_graph=True) calls timed here (bench/run.py does the same)
     import torch._functorch.config as functorch_config
@@ -118,23 +157,25 @@ def main() -> None:
         for name, fn in br.peers_norm(w).items():
             if name not in WANT:
                 continue
-            (call, inputs), (other, _) = backward_call(fn, x), backward_call(fn, x2)
+            (call, inputs, extra), (other, _, _) = backward_call(fn, x), backward_call(fn, x2)
+            print(f"{rows}x2048 {name}: saved beyond the inputs "
+                  f"{[(tuple(t.shape), str(t.dtype)) for t in extra]}", file=sys.stderr)
             for _ in range(5):
                 call()
                 other()
-            for mode in MODES:
-                jobs[(f"{rows}x2048", name, mode)] = (call, other, inputs)
+            for mode in modes:
+                jobs[(f"{rows}x2048", name, mode)] = (call, other, inputs, extra)
     times: dict = {key: [] for key in jobs}
     for r in range(args.rounds):
-        for key, (call, other, inputs) in jobs.items():
-            times[key].append(device_us(call, key[2], args.calls, flush, other, inputs))
+        for key, (call, other, inputs, extra) in jobs.items():
+            times[key].append(device_us(call, key[2], args.calls, flush, other, inputs, extra))
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     rows_out = [{"case": c, "backend": b, "mode": m, "device_us": statistics.median(t),
                  "rounds_us": t} for (c, b, m), t in times.items()]
-    print(f"{'case':10} {'backend':30} " + " ".join(f"{m:>16}" for m in MODES))
+    print(f"{'case':10} {'backend':30} " + " ".join(f"{m:>16}" for m in modes))
     for case in dict.fromkeys(k[0] for k in jobs):
         for name in WANT:
-            vals = [statistics.median(times[(case, name, m)]) for m in MODES
+            vals = [statistics.median(times[(case, name, m)]) for m in modes
                     if (case, name, m) in times]
             if vals:
                 print(f"{case:10} {name:30} " + " ".join(f"{v:16.2f}" for v in vals))
@@ -145,6 +186,9 @@ def main() -> None:
     dest.write_text(json.dumps({"device": torch.cuda.get_device_name(), "calls": args.calls,
                                 "rounds": args.rounds, "git": git_state(),
                                 "command": "python3 " + " ".join(sys.argv),
+                                "switches": {k: v for k, v in os.environ.items()
+                                             if k.startswith("NORMSPEC_")
+                                             and not k.startswith("NORMSPEC_GIT")},
                                 "rows": rows_out}, indent=1))
     print(f"wrote {dest}")
 
