@@ -26,7 +26,11 @@ kernel hides the host), seven ways:
   (the forward's rstd among them, which ``data warm`` leaves cold), sleep, call: all the
   data the call reads is in L2, its code is not;
 * ``saved only``: flush, a sum over the saved tensors that are not inputs (the rstd),
-  sleep, call.
+  sleep, call;
+* ``tiny kernel``: flush, one kernel that touches no memory (a sleep of one cycle),
+  sleep, call: the effect of any one kernel between the flush and the call;
+* ``alloc only``: flush, a one-element tensor allocated and freed (no kernel), sleep,
+  call: whether the caching allocator's next block, not a kernel, moves the call's time.
 
 If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
 code's size is the cause; if it is gone in ``data warm``, the data's fetch is. Usage (GPU,
@@ -54,9 +58,10 @@ import run as br  # bench/run.py: the peers and their weights
 
 WANT = ("torch.compile (transformers)", "normspec torch_ext")
 MODES = ("cold", "code warm", "warm", "pages warm", "data warm", "warm after other",
-         "read flush", "saved warm", "saved only")
+         "read flush", "saved warm", "saved only", "tiny kernel", "alloc only")
 # flushed by a write, as the bench does
-FLUSHED = ("cold", "code warm", "pages warm", "data warm", "saved warm", "saved only")
+FLUSHED = ("cold", "code warm", "pages warm", "data warm", "saved warm", "saved only",
+           "tiny kernel", "alloc only")
 
 
 def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
@@ -119,6 +124,11 @@ def device_us(call: Callable, mode: str, calls: int, flush: torch.Tensor,
             for t in {"data warm": inputs, "saved warm": inputs + extra,
                       "saved only": extra}[mode]:
                 t.sum()
+        elif mode == "tiny kernel":
+            torch.cuda._sleep(1)
+        elif mode == "alloc only":
+            del_me = torch.empty(1, device="cuda")
+            del del_me
         torch.cuda._sleep(cycles)
         start.record()
         call()
