@@ -6,6 +6,12 @@ engine; on the lent H200 an autograd backward takes 0.25-0.6 ms of host time), t
 waits for the host and do_bench counts that wait as the call's time. :func:`device_us`
 puts a sleep kernel between the flush and the start event instead, long enough for the
 host to enqueue the whole call first, so that the events time the GPU alone.
+
+The kernels between the flush and the call move the time of a launch of a few µs: on the
+H200 one no-op kernel after the flush took 0.34 µs off both torch.compile's and our
+1 x 2048 rms backward and added 0.7-0.8 µs to both 64 x 2048 backwards (notes/perf.md
+§31). ``after_flush_kernels`` (``bench/run.py --after-flush-kernels``) adds such kernels,
+to see whether a ranking of small cases survives the change.
 """
 
 from __future__ import annotations
@@ -43,19 +49,25 @@ def sleep_cycles_per_ms() -> float:
 
 def device_us(fn: Callable[[], object], rep_ms: float = 100.0,
               hide_host_ms: float = HIDE_HOST_MS,
-              flush_bytes: int = FLUSH_BYTES) -> tuple[float, float]:
+              flush_bytes: int = FLUSH_BYTES,
+              after_flush_kernels: int = 0) -> tuple[float, float]:
     """``fn``'s GPU time and host time per call: medians, in microseconds.
 
     Every call follows an L2 flush of ``flush_bytes`` (``zero_``, as in do_bench), then a
     sleep kernel of ``hide_host_ms`` while the host enqueues the call; the events around
     the call then measure the GPU's time alone. ``hide_host_ms=0`` leaves the sleep out
-    (the GPU may then wait for the host inside the timed span, as in do_bench). The host
+    (the GPU may then wait for the host inside the timed span, as in do_bench).
+    ``after_flush_kernels`` no-op kernels (a sleep of one cycle each) run between the
+    flush and the sleep (default none). The host
     time is how long enqueueing one call took (``perf_counter`` around it). About
     ``rep_ms`` of calls are timed (5 to 200)."""
     if hide_host_ms < 0:
         raise ValueError(f"hide_host_ms: expected >= 0 ms, got {hide_host_ms}")
     if flush_bytes < 4:
         raise ValueError(f"flush_bytes: expected at least 4 bytes, got {flush_bytes}")
+    if after_flush_kernels < 0:
+        raise ValueError("after_flush_kernels: expected 0 or more kernels, got "
+                         f"{after_flush_kernels}")
     flush = torch.empty(flush_bytes // 4, dtype=torch.int, device="cuda")
     cycles = int(hide_host_ms * sleep_cycles_per_ms()) if hide_host_ms > 0 else 0
     fn()
@@ -70,6 +82,8 @@ def device_us(fn: Callable[[], object], rep_ms: float = 100.0,
     host = []
     for start, end in events:
         flush.zero_()
+        for _ in range(after_flush_kernels):
+            torch.cuda._sleep(1)
         if cycles:
             torch.cuda._sleep(cycles)
         start.record()

@@ -69,6 +69,8 @@ DEVICE_TIMING = True
 #: The device timing's L2 flush (MiB) and host-hiding sleep (ms); --flush-mib, --hide-host-ms.
 FLUSH_MIB = FLUSH_BYTES // 2**20
 HIDE_MS = HIDE_HOST_MS
+#: No-op kernels between the device timing's flush and its sleep; --after-flush-kernels.
+AFTER_FLUSH_KERNELS = 0
 EPS = 1e-6
 BF16 = torch.bfloat16
 
@@ -91,7 +93,8 @@ def time_call(fn: Callable[[], object], rep: float) -> tuple[float, float | None
     ms = bench_ms(fn, rep)
     if not DEVICE_TIMING or not torch.cuda.is_available():
         return ms, None, None
-    dev, host = device_us(fn, rep, hide_host_ms=HIDE_MS, flush_bytes=FLUSH_MIB * 2**20)
+    dev, host = device_us(fn, rep, hide_host_ms=HIDE_MS, flush_bytes=FLUSH_MIB * 2**20,
+                          after_flush_kernels=AFTER_FLUSH_KERNELS)
     return ms, dev, host
 
 
@@ -448,7 +451,7 @@ BACKEND_FILTER: tuple[str, ...] = ()
 
 
 def main(argv=None) -> int:
-    global BACKEND_FILTER, ROUNDS, DEVICE_TIMING, FLUSH_MIB, HIDE_MS
+    global BACKEND_FILTER, ROUNDS, DEVICE_TIMING, FLUSH_MIB, HIDE_MS, AFTER_FLUSH_KERNELS
     # torch.compile donates buffers to its backward, which then refuses the
     # repeated autograd.grad(..., retain_graph=True) calls of the timing loop
     import torch._functorch.config as functorch_config
@@ -470,6 +473,9 @@ def main(argv=None) -> int:
     p.add_argument("--hide-host-ms", type=float, default=HIDE_MS,
                    help="the device timing's sleep kernel before each call, ms; 0 leaves it "
                         f"out (default {HIDE_MS})")
+    p.add_argument("--after-flush-kernels", type=int, default=0, metavar="N",
+                   help="no-op kernels between the device timing's flush and its sleep; they "
+                        "move small launches' times (notes/perf.md §31; default 0)")
     args = p.parse_args(argv)
     try:
         cases = [parse_case(c) for c in args.case] or CASES
@@ -481,7 +487,10 @@ def main(argv=None) -> int:
         p.error(f"--flush-mib must be at least 1, got {args.flush_mib}")
     if args.hide_host_ms < 0:
         p.error(f"--hide-host-ms must be 0 or more, got {args.hide_host_ms}")
+    if args.after_flush_kernels < 0:
+        p.error(f"--after-flush-kernels must be 0 or more, got {args.after_flush_kernels}")
     FLUSH_MIB, HIDE_MS = args.flush_mib, args.hide_host_ms
+    AFTER_FLUSH_KERNELS = args.after_flush_kernels
     BACKEND_FILTER = tuple(args.backend)
     ROUNDS = args.rounds
     DEVICE_TIMING = not args.no_device_time
@@ -495,7 +504,8 @@ def main(argv=None) -> int:
            "python": platform.python_version(),
            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
            "copy_tbps": bw, "command": "python bench/run.py " + " ".join(argv or sys.argv[1:]),
-           "device_timing": {"flush_mib": FLUSH_MIB, "hide_host_ms": HIDE_MS}}
+           "device_timing": {"flush_mib": FLUSH_MIB, "hide_host_ms": HIDE_MS,
+                             "after_flush_kernels": AFTER_FLUSH_KERNELS}}
     try:
         from normspec.report import git_state
 

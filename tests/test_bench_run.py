@@ -165,9 +165,10 @@ def test_a_backend_left_out_by_the_filter_is_not_loaded(monkeypatch):
     assert loaded == ["torch_ext", "cupy"]
 
 
-def test_device_timing_takes_the_flush_and_sleep_flags(monkeypatch):
-    """--flush-mib and --hide-host-ms reach every device timing: a probe of how the flush
-    and the host-hiding sleep move a kernel's time (notes/perf.md §22)."""
+def test_device_timing_takes_the_flush_sleep_and_prelude_flags(monkeypatch):
+    """--flush-mib, --hide-host-ms and --after-flush-kernels reach every device timing:
+    probes of how the flush, the host-hiding sleep and kernels between them move a
+    kernel's time (notes/perf.md §22, §31)."""
     import torch
 
     seen = []
@@ -182,13 +183,16 @@ def test_device_timing_takes_the_flush_and_sleep_flags(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(run, "FLUSH_MIB", 512)
     monkeypatch.setattr(run, "HIDE_MS", 0.0)
+    monkeypatch.setattr(run, "AFTER_FLUSH_KERNELS", 2)
     assert run.time_call(lambda: None, 10.0) == (1.0, 5.0, 6.0)
-    assert seen == [{"hide_host_ms": 0.0, "flush_bytes": 512 * 2**20}]
+    assert seen == [{"hide_host_ms": 0.0, "flush_bytes": 512 * 2**20,
+                     "after_flush_kernels": 2}]
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--flush-mib", "0", "--flush-mib must be at least 1, got 0"),
     ("--hide-host-ms", "-1", "--hide-host-ms must be 0 or more, got -1.0"),
+    ("--after-flush-kernels", "-1", "--after-flush-kernels must be 0 or more, got -1"),
 ])
 def test_timing_flags_out_of_range_are_refused(flag, value, message, capsys):
     with pytest.raises(SystemExit) as done:
@@ -200,6 +204,7 @@ def test_timing_flags_out_of_range_are_refused(flag, value, message, capsys):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"hide_host_ms": -0.5}, "hide_host_ms: expected >= 0 ms, got -0.5"),
     ({"flush_bytes": 2}, "flush_bytes: expected at least 4 bytes, got 2"),
+    ({"after_flush_kernels": -1}, "after_flush_kernels: expected 0 or more kernels, got -1"),
 ])
 def test_device_us_refuses_a_negative_sleep_or_no_flush(kwargs, message):
     from device_timing import device_us
