@@ -45,6 +45,79 @@ def test_saved_tensors_finds_python_and_builtin_nodes_once():
     assert not any(t.requires_grad for t in saved)
 
 
+def test_saved_tensors_returns_a_tensor_saved_twice_once():
+    x = torch.randn(3, 8, requires_grad=True)
+    y = _SavesRstd.apply(x)
+    saved = cw.saved_tensors(y * y)  # MulBackward0 saves y as both factors
+    assert sorted(tuple(t.shape) for t in saved) == [(3, 1), (3, 8), (3, 8)]  # x, rstd, y
+
+
+class _Log:
+    """Stands in for the GPU work device_us launches, writing each step to ``log``."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def zero_(self):
+        self.log.append(f"{self.name}.zero_")
+
+    def sum(self):
+        self.log.append(f"{self.name}.sum")
+
+    def view(self, *shape):
+        self.log.append(f"{self.name}.view")
+        return self
+
+    def __getitem__(self, index):
+        return self
+
+
+class _Event:
+    def __init__(self, log: list):
+        self.log = log
+
+    def record(self):
+        self.log.append("event")
+
+    def elapsed_time(self, other):
+        return 0.001
+
+
+def _fake_gpu(monkeypatch, log: list):
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _Event(log))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cw.dt, "sleep_cycles_per_ms", lambda: 1000.0)
+
+
+@pytest.mark.parametrize(("mode", "prelude"), [
+    ("cold", ["flush.zero_"]),
+    ("warm", []),
+    ("read flush", ["flush.sum"]),
+    ("code warm", ["flush.zero_", "other"]),
+    ("warm after other", ["other"]),
+    ("pages warm", ["flush.zero_", "x.view", "x.sum", "dy.view", "dy.sum"]),
+    ("data warm", ["flush.zero_", "x.sum", "dy.sum"]),
+    ("saved warm", ["flush.zero_", "x.sum", "dy.sum", "rstd.sum"]),
+    ("saved only", ["flush.zero_", "rstd.sum"]),
+    ("tiny kernel", ["flush.zero_", "sleep 1"]),
+    ("alloc only", ["flush.zero_", "alloc"]),
+])
+def test_each_mode_runs_its_prelude_before_the_sleep_and_the_call(monkeypatch, mode, prelude):
+    assert mode in cw.MODES
+    log: list = []
+    _fake_gpu(monkeypatch, log)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: log.append("alloc"))
+    inputs = (_Log(log, "x"), _Log(log, "dy"))
+    us = cw.device_us(lambda: log.append("call"), mode, 5, _Log(log, "flush"),
+                      lambda: log.append("other"), inputs, (_Log(log, "rstd"),))
+    assert us == 1.0
+    sleep = f"sleep {int(cw.dt.HIDE_HOST_MS * 1000)}"
+    assert log[:len(prelude) + 4] == [*prelude, sleep, "event", "call", "event"]
+    assert len(log) == 5 * (len(prelude) + 4)
+    assert (mode in cw.FLUSHED) == ("flush.zero_" in prelude)
+
+
 def test_backward_call_keeps_inputs_out_of_the_extra_tensors(monkeypatch):
     monkeypatch.setattr(cw.br, "_weights", lambda fn: [])
     x = torch.randn(2, 8)

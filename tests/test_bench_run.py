@@ -211,3 +211,49 @@ def test_device_us_refuses_a_negative_sleep_or_no_flush(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         device_us(lambda: None, **kwargs)
+
+
+def test_main_takes_after_flush_kernels_into_the_timing(monkeypatch, capsys):
+    """--after-flush-kernels sets what time_call passes on (main stops at the CUDA check,
+    after the flags are taken)."""
+    import torch
+
+    for name in ("BACKEND_FILTER", "ROUNDS", "DEVICE_TIMING", "FLUSH_MIB", "HIDE_MS",
+                 "AFTER_FLUSH_KERNELS"):
+        monkeypatch.setattr(run, name, getattr(run, name))  # restored after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run.main(["--after-flush-kernels", "3"]) == 2
+    assert run.AFTER_FLUSH_KERNELS == 3
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_device_us_runs_the_after_flush_kernels_between_flush_and_sleep(monkeypatch):
+    """The order device_us enqueues per timed call: flush, N one-cycle kernels, the
+    host-hiding sleep, then the events around the call."""
+    import device_timing
+    import torch
+
+    log: list = []
+
+    class Flush:
+        def zero_(self):
+            log.append("flush")
+
+    class Event:
+        def record(self):
+            log.append("event")
+
+        def elapsed_time(self, other):
+            return 0.004
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: Flush())
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: Event())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(device_timing, "sleep_cycles_per_ms", lambda: 1000.0)
+    gpu_us, _ = device_timing.device_us(lambda: log.append("call"), rep_ms=1.0,
+                                        hide_host_ms=2.0, after_flush_kernels=2)
+    assert gpu_us == 4.0
+    assert log[:2] == ["call", "call"]  # the warm-up and the host-time probe
+    one = ["flush", "sleep 1", "sleep 1", "sleep 2000", "event", "call", "event"]
+    assert log[2:] == one * 5

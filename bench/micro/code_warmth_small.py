@@ -5,7 +5,7 @@ evicts the kernel's instructions as well as its data. Our one-row rms backward k
 392 SASS instructions, torch.compile's 176, so after the flush ours may wait longer on
 instruction fetch (notes/perf.md §28). This script times the 1 x 2048 and 64 x 2048
 backward (dx and dweight) of our extension and of torch.compile, GPU time alone (a sleep
-kernel hides the host), seven ways:
+kernel hides the host), in these modes:
 
 * ``cold``: flush, sleep, call (the bench's timing);
 * ``code warm``: flush, the same call on a second set of rows (its code is then in L2 and
@@ -27,17 +27,21 @@ kernel hides the host), seven ways:
   data the call reads is in L2, its code is not;
 * ``saved only``: flush, a sum over the saved tensors that are not inputs (the rstd),
   sleep, call;
-* ``tiny kernel``: flush, one kernel that touches no memory (a sleep of one cycle),
-  sleep, call: the effect of any one kernel between the flush and the call;
-* ``alloc only``: flush, a one-element tensor allocated and freed (no kernel), sleep,
-  call: whether the caching allocator's next block, not a kernel, moves the call's time.
+* ``tiny kernel``: flush, one extra kernel that touches no memory (a sleep of one cycle),
+  sleep, call: the effect of one more kernel between the flush and the sleep kernel that
+  always precedes the call;
+* ``alloc only``: flush, a one-element tensor allocated and freed, sleep, call. Nothing
+  reaches the GPU (the block goes back to the caching allocator's pool): the control for
+  the allocation that ``saved only``'s sum makes besides its kernel.
 
 If the gap between ours and torch.compile's is in ``cold`` and gone in ``code warm``, the
 code's size is the cause; if it is gone in ``data warm``, the data's fetch is. Usage (GPU,
 repository root):
 ``python3 bench/micro/code_warmth_small.py [--out DIR] [--calls 200]``; it prints a table
 (median µs) and writes ``code_warmth_small.json`` under ``--out``; ``--modes`` picks a
-subset of the modes (comma-separated).
+subset of the modes (comma-separated). The JSON names, per case and backend, the tensors
+the graph saved beyond the inputs (``saved``), which the ``saved`` modes warm; where there
+are none those modes time what ``cold`` does, and the script says so.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated subset of: " + ", ".join(MODES))
     args = parser.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         parser.error(f"--modes: unknown {unknown or 'none given'}; expected from {MODES}")
@@ -158,7 +162,7 @@ def main() -> None:
     if args.calls < 5 or args.rounds < 1:
         parser.error(f"--calls >= 5 and --rounds >= 1, got {args.calls} and {args.rounds}")
     flush = torch.empty(dt.FLUSH_BYTES // 4, dtype=torch.int, device="cuda")
-    jobs = {}
+    jobs, saved = {}, []
     for rows in (1, 64):
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16)
@@ -168,8 +172,13 @@ def main() -> None:
             if name not in WANT:
                 continue
             (call, inputs, extra), (other, _, _) = backward_call(fn, x), backward_call(fn, x2)
-            print(f"{rows}x2048 {name}: saved beyond the inputs "
-                  f"{[(tuple(t.shape), str(t.dtype)) for t in extra]}", file=sys.stderr)
+            shapes = [[list(t.shape), str(t.dtype)] for t in extra]
+            saved.append({"case": f"{rows}x2048", "backend": name, "saved": shapes})
+            print(f"{rows}x2048 {name}: saved beyond the inputs {shapes}", file=sys.stderr)
+            if not extra and {"saved warm", "saved only"} & set(modes):
+                print(f"warning: {name} saved nothing beyond its inputs at {rows}x2048: its "
+                      "'saved only' times what 'cold' does, its 'saved warm' what "
+                      "'data warm' does", file=sys.stderr)
             for _ in range(5):
                 call()
                 other()
@@ -199,7 +208,7 @@ def main() -> None:
                                 "switches": {k: v for k, v in os.environ.items()
                                              if k.startswith("NORMSPEC_")
                                              and not k.startswith("NORMSPEC_GIT")},
-                                "rows": rows_out}, indent=1))
+                                "saved": saved, "rows": rows_out}, indent=1))
     print(f"wrote {dest}")
 
 
