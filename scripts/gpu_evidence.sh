@@ -5,11 +5,12 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
-#   BACKWARD=1 adds the gated backward to the ncu stages)
+#   BACKWARD=1 adds the gated backward to the ncu stages; small-repeat's REPEAT_LIMIT bounds
+#   each of its two runs)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -97,6 +98,19 @@ for s in $stages; do
         && /tmp/launch_floor" ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
+    small-repeat)  # the small cases in three fresh processes each, first with the bench's
+      # protocol, then with one no-op kernel after the flush (notes/perf.md §31), ranked
+      # into bench/results/repeat/ (the benchmarks page renders every file there)
+      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      mkdir -p bench/results/repeat
+      for k in 0 1; do
+        run ${REPEAT_LIMIT:-280} "small-repeat-$k" python3 bench/repeat.py --processes 3 \
+          --out "$OUT/repeat_$k" -- --case norm:1:2048 --case norm:64:2048 \
+          --case norm:4096:2048 --case norm:64:256 --case norm:4096:256 --rounds 5 \
+          --backend torch_ext --backend compile --backend liger --after-flush-kernels $k
+        cp "$OUT/repeat_$k"/*.json \
+          "bench/results/repeat/small_after_flush_${k}_${commit}.json" 2>/dev/null
+      done ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
   esac
