@@ -10,7 +10,7 @@
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
 #   BACKWARD=1 adds the gated backward to the ncu stages; small-repeat's REPEAT_LIMIT bounds
-#   each of its two runs)
+#   each of its two runs, REPEAT_AFTER_FLUSH="0" or "1" keeps one of them)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -103,7 +103,7 @@ for s in $stages; do
       # into bench/results/repeat/ (the benchmarks page renders every file there)
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/repeat
-      for k in 0 1; do
+      for k in ${REPEAT_AFTER_FLUSH:-0 1}; do
         run ${REPEAT_LIMIT:-280} "small-repeat-$k" python3 bench/repeat.py --processes 3 \
           --out "$OUT/repeat_$k" -- --case norm:1:2048 --case norm:64:2048 \
           --case norm:4096:2048 --case norm:64:256 --case norm:4096:256 --rounds 5 \
