@@ -13,6 +13,8 @@
 # ncu_gated.csv (ncu_gated_peers.csv).
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
+# CACHE=none profiles with warm caches (ncu's --cache-control none: L2 and L1 keep what the
+# previous launch left); by default ncu flushes them before every kernel (all).
 set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
@@ -31,7 +33,7 @@ elif [ "${GATED:-0}" = 1 ]; then
   args="$args --gated"
   [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_gated_peers.csv" || csv="$OUT/ncu_gated.csv"
 fi
-ncu --clock-control none --profile-from-start off -k "$filter" \
+ncu --clock-control none --cache-control "${CACHE:-all}" --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
   python3 scripts/ncu_kernels.py $args > "$csv" 2> "${csv%.csv}.err"
