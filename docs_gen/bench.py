@@ -120,6 +120,18 @@ def _repeat_module() -> Any:
     return module
 
 
+def _timing_protocol(timing: dict) -> str:
+    """One line on what ran before each timed call (``bench/device_timing.py``): the
+    rankings of small cases depend on it (notes/perf.md §31, §32)."""
+    parts = [f"an L2 flush of {timing['flush_mib']} MiB"] if "flush_mib" in timing else []
+    if timing.get("after_flush_kernels"):
+        parts.append(f"{timing['after_flush_kernels']} no-op kernel(s)")
+    if timing.get("hide_host_ms"):
+        parts.append(f"a {timing['hide_host_ms']:g} ms sleep kernel that hides the host")
+    return ("Before each timed call: " + ", then ".join(parts) + "."
+            if parts else "Timed without a flush or a sleep before the call.")
+
+
 def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
     """Markdown lines: per multi-process file, each of our backends per case and direction
     against the fastest peer, median [min-max] over the processes and the verdict
@@ -139,6 +151,8 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
                   + ".", ""]
         if env.get("command"):
             lines += [f"Command: `{_cell(env['command'])}`", ""]
+        if env.get("device_timing"):
+            lines += [_timing_protocol(env["device_timing"]), ""]
         lines += ["| case | shape | direction | ours | µs [range] | fastest peer "
                   "| µs [range] | verdict |",
                   "| --- | --- | --- | --- | ---: | --- | ---: | --- |"]
