@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -96,6 +96,12 @@ for s in $stages; do
       run ${MICRO_LIMIT:-120} launch-floor bash -c "nvcc -O3 -std=c++17 -arch=native \
         -fmad=false -Ibackends/csrc bench/micro/launch_floor.cu -o /tmp/launch_floor \
         && /tmp/launch_floor" ;;
+    launch-overhead)  # the small norms' event times split into launch lead, kernels and rest
+      # (CUPTI through torch.profiler), flushed and warm, into bench/results/probes/
+      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      run ${LAUNCH_LIMIT:-360} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
+      cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
+        2>/dev/null ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     small-repeat)  # the small cases in three fresh processes each, first with the bench's

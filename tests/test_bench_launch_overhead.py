@@ -1,0 +1,141 @@
+"""bench/micro/launch_overhead.py's CPU-side parts: how a profile is split into calls and
+each call's event time into lead, span and rest, and the order of its timing loop (GPU
+calls faked; the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/run.py and device_timing
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_launch_overhead", ROOT / "bench" / "micro" / "launch_overhead.py")
+lo = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(lo)
+K = lo.Kernel
+FILL = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>"
+SLEEP = "at::cuda::(anonymous namespace)::spin_kernel(long)"
+
+
+def _loop(calls: list[list[tuple[str, int, int]]]) -> list:
+    """The activities of the script's loop: per call a flush, a sleep (1000 ns) and the
+    call's kernels (start, duration after the sleep's end), then a closing flush and sleep."""
+    acts, t = [], 0
+    for kernels in [*calls, None]:
+        acts += [K(FILL, t, t + 500), K(SLEEP, t + 600, t + 1600)]
+        t += 1600
+        for name, start, dur in kernels or []:
+            acts.append(K(name, t + start, t + start + dur))
+        t += 10_000
+    return acts
+
+
+def test_split_calls_takes_what_lies_between_a_sleep_and_the_next_flush():
+    acts = _loop([[("normspec_fwd_row_kernel", 300, 2000)],
+                  [("triton_red_a", 250, 1500), ("triton_poi_b", 2000, 400)]])
+    split = lo.split_calls(list(reversed(acts)))  # any order: sorted by start
+    assert [[k.name for k in ks] for _, ks in split] == [
+        ["normspec_fwd_row_kernel"], ["triton_red_a", "triton_poi_b"]]
+    assert all(SLEEP == s.name for s, _ in split)
+    # each call's sleep is the one right before it
+    assert [s.end_ns for s, _ in split] == [1600, 13200]
+
+
+def test_split_calls_refuses_a_profile_of_another_loop():
+    acts = _loop([[("k", 300, 2000)], [("k", 300, 2000)]])
+    no_flush = [a for i, a in enumerate(acts) if i != 3]  # the second flush is gone
+    with pytest.raises(ValueError, match=r"expected a flush .* got 'k'"):
+        lo.split_calls(no_flush)
+    with pytest.raises(ValueError, match=r"at least two 'spin_kernel' kernels .* got 1"):
+        lo.split_calls(acts[:3])
+    # a memset counts as a flush as well as a fill kernel does
+    memset = [a._replace(name="Memset (Device)") if a.name == FILL else a for a in acts]
+    assert len(lo.split_calls(memset)) == 2
+
+
+def test_call_parts_splits_the_event_time():
+    sleep = K(SLEEP, 0, 1000)
+    kernels = [K("a", 1300, 3300), K("b", 3500, 4000)]
+    parts = lo.call_parts(sleep, kernels, event_us=4.0)
+    assert parts["lead"] == pytest.approx(0.3)
+    assert parts["span"] == pytest.approx(2.7)
+    assert parts["kernels"] == pytest.approx(2.5)  # the 0.2 us gap between them is not
+    assert parts["rest"] == pytest.approx(1.0)
+    assert parts["names"] == ["a", "b"]
+    assert lo.call_parts(sleep, [], 4.0) == {"lead": None, "span": 0.0, "kernels": 0.0,
+                                            "rest": None, "names": []}
+
+
+def test_median_parts_skips_missing_fields():
+    parts = [{"event": 4.0, "lead": 0.3, "span": 2.0, "kernels": 2.0, "rest": 1.7},
+             {"event": 5.0, "lead": None, "span": 0.0, "kernels": 0.0, "rest": None},
+             {"event": 4.5, "lead": 0.5, "span": 2.2, "kernels": 2.1, "rest": 1.8}]
+    med = lo.median_parts(parts)
+    assert med["event"] == 4.5 and med["span"] == 2.0
+    assert med["lead"] == pytest.approx(0.4) and med["rest"] == pytest.approx(1.75)
+    assert lo.median_parts([{"event": 1.0, "lead": None, "span": 0.0, "kernels": 0.0,
+                             "rest": None}])["lead"] is None
+
+
+def test_gpu_activities_keeps_the_device_side_in_ns():
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, dur):
+        return SimpleNamespace(name=lambda: name, device_type=lambda: device,
+                               start_ns=lambda: start, duration_ns=lambda: dur)
+
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
+        events=lambda: [event("cudaLaunchKernel", DeviceType.CPU, 5, 7),
+                        event("normspec_fwd_row_kernel", DeviceType.CUDA, 100, 2176)])))
+    assert lo._gpu_activities(prof) == [K("normspec_fwd_row_kernel", 100, 2276)]
+
+
+def test_time_call_orders_flush_sleep_events_and_closes_the_last_call(monkeypatch):
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.i = sum(1 for e in log if e.startswith("new event"))
+            log.append(f"new event {self.i}")
+
+        def record(self):
+            log.append(f"record {self.i}")
+
+        def elapsed_time(self, end):
+            return 0.004 * (end.i - self.i)  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda c: log.append(f"sleep {c}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    flush = SimpleNamespace(zero_=lambda: log.append("flush"))
+    times, acts = lo.time_call(lambda: log.append("call"), flush, 77, calls=2,
+                               profiled=False)
+    assert acts == [] and times == pytest.approx([4.0, 4.0])
+    assert [e for e in log if not e.startswith("new")] == [
+        "flush", "sleep 77", "record 0", "call", "record 1",
+        "flush", "sleep 77", "record 2", "call", "record 3",
+        "flush", "sleep 77", "sync"]
+
+
+def test_main_names_bad_arguments(capsys):
+    for argv, message in ((["--flush-mib", "0"], "--flush-mib: expected 1 MiB or more"),
+                          (["--calls", "2"], "--calls >= 5"),
+                          (["--case", "norm:64"], "--case: expected KIND:ROWS:H")):
+        with pytest.raises(SystemExit) as exc:
+            lo.main(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_main_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit) as exc:
+        lo.main(["--calls", "5"])
+    assert exc.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
