@@ -72,11 +72,13 @@ for s in $stages; do
       run ${NCU_LIMIT:-240} ncu-fla env OUT="$OUT/ncu" FLA=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_fla.csv" "bench/results/ncu/fla_${gpu}.csv" 2>/dev/null ;;
     ncu-small)  # the norm at 1, 64 and 4096 rows of 2048: our kernels, then torch.compile's
+      # (CACHE=none: without ncu's cache flush, into the *_warm files)
       mkdir -p "$OUT/ncu" bench/results/ncu
+      w=; [ "${CACHE:-all}" = none ] && w=_warm
       run ${NCU_LIMIT:-150} ncu-small env OUT="$OUT/ncu" SMALL=1 bash scripts/ncu_profile.sh
-      cp "$OUT/ncu/ncu_small.csv" "bench/results/ncu/small_${gpu}.csv" 2>/dev/null
+      cp "$OUT/ncu/ncu_small${w}.csv" "bench/results/ncu/small${w}_${gpu}.csv" 2>/dev/null
       run ${NCU_LIMIT:-240} ncu-small-peers env OUT="$OUT/ncu" SMALL=1 PEERS=1 bash scripts/ncu_profile.sh
-      cp "$OUT/ncu/ncu_small_peers.csv" "bench/results/ncu/small_torch_compile_${gpu}.csv" 2>/dev/null ;;
+      cp "$OUT/ncu/ncu_small_peers${w}.csv" "bench/results/ncu/small_torch_compile${w}_${gpu}.csv" 2>/dev/null ;;
     ncu-source)  # the gated forward's per-instruction stall samples: ours, then torch.compile's
       # (a full report of one launch each, then its SASS page as CSV, to read off the device)
       mkdir -p "$OUT/ncu"  # (the build stage above built our kernels)
@@ -99,7 +101,7 @@ for s in $stages; do
     launch-overhead)  # the small norms' event times split into launch lead, kernels and rest
       # (CUPTI through torch.profiler), flushed and warm, into bench/results/probes/
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-      run ${LAUNCH_LIMIT:-360} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
+      run ${LAUNCH_LIMIT:-330} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed

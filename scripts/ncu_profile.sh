@@ -13,8 +13,9 @@
 # ncu_gated.csv (ncu_gated_peers.csv).
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
-# CACHE=none profiles with warm caches (ncu's --cache-control none: L2 and L1 keep what the
-# previous launch left); by default ncu flushes them before every kernel (all).
+# CACHE=none: ncu's --cache-control none, so that it does not flush the caches before each
+# kernel (by default, all, it does); the CSV's name then ends in _warm. What the caches hold
+# is then what ncu's own replay passes of the same kernel left, not the bench's warm state.
 set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
@@ -33,6 +34,7 @@ elif [ "${GATED:-0}" = 1 ]; then
   args="$args --gated"
   [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_gated_peers.csv" || csv="$OUT/ncu_gated.csv"
 fi
+[ "${CACHE:-all}" = none ] && csv="${csv%.csv}_warm.csv"
 ncu --clock-control none --cache-control "${CACHE:-all}" --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \

@@ -5,6 +5,7 @@ calls faked; the timing itself needs a GPU)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,9 +43,11 @@ def test_split_calls_takes_what_lies_between_a_sleep_and_the_next_flush():
     split = lo.split_calls(list(reversed(acts)))  # any order: sorted by start
     assert [[k.name for k in ks] for _, ks in split] == [
         ["normspec_fwd_row_kernel"], ["triton_red_a", "triton_poi_b"]]
-    assert all(SLEEP == s.name for s, _ in split)
     # each call's sleep is the one right before it
     assert [s.end_ns for s, _ in split] == [1600, 13200]
+    # a call that ran nothing on the GPU has no activities, and the next flush stays out
+    split = lo.split_calls(_loop([[], [("k", 300, 2000)]]))
+    assert [[k.name for k in ks] for _, ks in split] == [[], ["k"]]
 
 
 def test_split_calls_refuses_a_profile_of_another_loop():
@@ -54,6 +57,9 @@ def test_split_calls_refuses_a_profile_of_another_loop():
         lo.split_calls(no_flush)
     with pytest.raises(ValueError, match=r"at least two 'spin_kernel' kernels .* got 1"):
         lo.split_calls(acts[:3])
+    two_sleeps = [K(FILL, 0, 5), K(SLEEP, 10, 20), K(SLEEP, 30, 40)]
+    with pytest.raises(ValueError, match="right before the sleep kernel at 30 ns, got nothing"):
+        lo.split_calls(two_sleeps)
     # a memset counts as a flush as well as a fill kernel does
     memset = [a._replace(name="Memset (Device)") if a.name == FILL else a for a in acts]
     assert len(lo.split_calls(memset)) == 2
@@ -86,13 +92,16 @@ def test_median_parts_skips_missing_fields():
 def test_gpu_activities_keeps_the_device_side_in_ns():
     from torch.autograd import DeviceType
 
-    def event(name, device, start, dur):
+    def event(name, device, start, dur, activity):
         return SimpleNamespace(name=lambda: name, device_type=lambda: device,
-                               start_ns=lambda: start, duration_ns=lambda: dur)
+                               start_ns=lambda: start, duration_ns=lambda: dur,
+                               activity_type=lambda: activity)
 
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
-        events=lambda: [event("cudaLaunchKernel", DeviceType.CPU, 5, 7),
-                        event("normspec_fwd_row_kernel", DeviceType.CUDA, 100, 2176)])))
+        events=lambda: [event("cudaLaunchKernel", DeviceType.CPU, 5, 7, "cuda_runtime"),
+                        event("step 3", DeviceType.CUDA, 90, 3000, "gpu_user_annotation"),
+                        event("normspec_fwd_row_kernel", DeviceType.CUDA, 100, 2176,
+                              "kernel")])))
     assert lo._gpu_activities(prof) == [K("normspec_fwd_row_kernel", 100, 2276)]
 
 
@@ -139,3 +148,46 @@ def test_main_without_a_gpu_says_so(capsys):
     with pytest.raises(SystemExit) as exc:
         lo.main(["--calls", "5"])
     assert exc.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_main_times_each_case_before_building_the_next(monkeypatch, tmp_path, capsys):
+    """torch.compile's caches are reset per case (``_calls``), so a case built before the
+    previous one was timed would recompile inside the timing; and the JSON's medians."""
+    log = []
+
+    def fake_calls(case, backends, directions):
+        log.append(f"build {case[1]}")
+        assert backends == ("torch_ext", "liger") and directions == ["forward"]
+        return {(f"peer{i}", "forward"): (lambda i=i: log.append(f"call {case[1]} {i}"))
+                for i in range(2)}
+
+    def fake_time_call(call, flush, cycles, calls, profiled):
+        call()
+        assert (flush, cycles, calls) == ("flush 1", 1000, 5)
+        events = [4.0 + 0.1 * i for i in range(calls)]
+        if not profiled:
+            return [e - 0.5 for e in events], []
+        acts = _loop([[("kern", 300, 2000)]] * calls)  # lead 0.3, span 2.0
+        return events, acts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(lo.dt, "sleep_cycles_per_ms", lambda: 500.0)
+    monkeypatch.setattr(lo, "_flush_buffer", lambda mib: f"flush {mib}")
+    monkeypatch.setattr(lo, "_calls", fake_calls)
+    monkeypatch.setattr(lo, "time_call", fake_time_call)
+    assert lo.main(["--case", "norm:1:2048", "--case", "norm:64:256", "--flush-mib", "1",
+                    "--backend", "torch_ext", "--backend", "liger", "--direction", "forward",
+                    "--calls", "5", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    first_of_64 = log.index("build 64")
+    assert all(e.startswith("call 1 ") for e in log[1:first_of_64])
+    assert len(log[1:first_of_64]) == 2 * 5 + 2 * 2 * 2  # warm-up, then 2 rounds x 2 loops
+    data = json.loads((tmp_path / "launch_overhead.json").read_text())
+    assert [(r["case"], r["backend"]) for r in data["rows"]] == [
+        ("1x2048", "peer0"), ("1x2048", "peer1"), ("64x256", "peer0"), ("64x256", "peer1")]
+    row = data["rows"][0]
+    assert row["event_us"] == pytest.approx(4.2) and row["event_plain_us"] == pytest.approx(3.7)
+    assert row["lead_us"] == pytest.approx(0.3) and row["span_us"] == pytest.approx(2.0)
+    assert row["rest_us"] == pytest.approx(1.9) and row["kernels_run"] == ["kern"]
+    assert len(row["rounds"]) == 2 and row["flush_mib"] == 1
+    assert "64x256: round 2 of 2 done" in capsys.readouterr().err

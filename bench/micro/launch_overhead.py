@@ -2,31 +2,39 @@
 
 ``bench/device_timing.py`` times a call between two CUDA events, after an L2 flush and a
 sleep kernel that hides the host. With a 1 MiB flush (L2 stays warm) our small rms
-forwards trailed the fastest peer by 0.13-0.35 µs in three processes, yet Nsight Compute
-with warm caches gave our kernels' own durations level with or shorter than torch.compile's
-(1 x 2048: 2.18 against 2.21 µs; notes/perf.md §32). Then the difference lies outside the
-kernels: in their launch, or between the last kernel and the end event.
+forwards trailed the fastest peer by 0.13-0.35 µs in three processes (notes/perf.md §32).
+Nsight Compute, with its caches left alone, gave our 2048-wide forward kernels durations
+level with or shorter than torch.compile's (1 x 2048: 2.18 against 2.21 µs); Liger's, the
+fastest peer at 2048, and the 256-wide cases were not profiled. Whether the gap is in the
+kernels or around them (their launch, or what follows the last store) is open.
 
-This script runs the same protocol under ``torch.profiler`` (CUPTI's GPU timestamps of every
-kernel) and splits each call's event time into:
+This script runs the bench's protocol under ``torch.profiler`` (CUPTI's GPU timestamps of
+every kernel and memset) and splits each call's event time into:
 
-* ``lead``: from the end of the sleep kernel to the start of the call's first kernel (the
-  start event's record and the launch);
+* ``lead``: from the end of the sleep kernel to the start of the call's first kernel. It
+  holds the start event's record as well as the launch, so it begins before the timed span
+  does;
 * ``span``: from the call's first kernel's start to its last kernel's end;
 * ``kernels``: the sum of the call's kernels' durations (``span`` less the gaps between them);
-* ``rest``: the event time less ``lead`` and ``span`` (after the last kernel, up to the end
-  event; negative where the events and CUPTI's clocks disagree by that much).
+* ``rest``: the event time less ``lead`` and ``span``, that is (end event less the last
+  kernel's end) less (start event less the sleep's end): what follows the last kernel,
+  less the part of ``lead`` before the start event. Compare it between backends, not with
+  zero.
 
-It also times each call without the profiler (``event plain``), so that what the profiler
-adds to the event time is seen. Usage (GPU, repository root)::
+Each field is the median over the calls of a round, then over the rounds, so the medians
+need not add up to the event time's. It also times each call without the profiler
+(``event_plain``), so that what the profiler adds to the event time is seen. Each case is
+built and timed before the next one (torch.compile's caches are reset per case, as in
+``bench/run.py``), its backends and flush sizes interleaved in each round. Usage (GPU,
+repository root)::
 
     python3 bench/micro/launch_overhead.py [--case norm:1:2048 ...] [--flush-mib 256
         --flush-mib 1] [--backend torch_ext --backend compile --backend liger]
         [--direction forward] [--calls 100] [--rounds 2] [--out DIR]
 
 Prints a table of medians (µs) and writes ``launch_overhead.json`` under ``--out``: per
-case, direction, backend and flush size, the medians over the rounds of each round's
-median, every round's values and the names of the kernels each call ran.
+case, direction, backend and flush size, the medians over the rounds, every round's values
+and the names of the kernels the calls ran (over all rounds).
 """
 
 from __future__ import annotations
@@ -115,16 +123,16 @@ def median_parts(parts: Sequence[dict]) -> dict:
 
 
 def _gpu_activities(prof) -> list[Kernel]:
-    """The GPU activities (kernels, memsets) of a finished ``torch.profiler.profile``."""
+    """The GPU activities (kernels, memsets, copies) of a finished
+    ``torch.profiler.profile``."""
     from torch.autograd import DeviceType
 
     acts = []
     for e in prof.profiler.kineto_results.events():
-        if e.device_type() != DeviceType.CUDA:
+        # (user annotations are GPU-side too, but not work the GPU did)
+        if e.device_type() != DeviceType.CUDA or "annotation" in e.activity_type():
             continue
-        start = e.start_ns() if hasattr(e, "start_ns") else int(e.start_us() * 1e3)
-        dur = e.duration_ns() if hasattr(e, "duration_ns") else int(e.duration_us() * 1e3)
-        acts.append(Kernel(e.name(), start, start + dur))
+        acts.append(Kernel(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
     return acts
 
 
@@ -182,6 +190,44 @@ def _calls(case: tuple[str, int, int], backends: Sequence[str],
     return out
 
 
+def _flush_buffer(mib: int):
+    """The tensor whose ``zero_()`` is the flush of ``mib`` MiB."""
+    return torch.empty(mib * 2**20 // 4, dtype=torch.int, device="cuda")
+
+
+def time_round(call: Callable[[], object], flush, cycles: int, calls: int, names: set,
+               label: str) -> dict:
+    """One round of ``call``: ``calls`` calls unprofiled, then as many profiled; the
+    medians of :func:`call_parts`' fields over the profiled calls, with ``event_plain`` the
+    unprofiled calls' median. Adds the names of the kernels the calls ran to ``names``."""
+    plain, _ = time_call(call, flush, cycles, calls, profiled=False)
+    event, acts = time_call(call, flush, cycles, calls, profiled=True)
+    split = split_calls(acts)
+    if len(split) != len(event):
+        raise RuntimeError(f"{label}: {len(event)} calls timed, {len(split)} found in the "
+                           "profile")
+    parts = [call_parts(s, ks, e) | {"event": e}
+             for (s, ks), e in zip(split, event, strict=True)]
+    names.update(n for q in parts for n in q["names"])
+    return median_parts(parts) | {"event_plain": statistics.median(plain)}
+
+
+def summarize(case: str, rounds: dict, names: dict) -> list[dict]:
+    """The JSON rows of one case: per ``(backend, direction, flush MiB)`` of ``rounds``
+    (each a list of :func:`time_round` results) the median over the rounds of each field
+    (None where no round has it), every round, and the kernels' names, sorted."""
+    rows = []
+    for (name, direction, mib), per_round in rounds.items():
+        med = {}
+        for f in FIELDS:
+            vals = [q[f] for q in per_round if q.get(f) is not None]
+            med[f"{f}_us"] = statistics.median(vals) if vals else None
+        rows.append({"case": case, "direction": direction, "backend": name, "flush_mib": mib,
+                     **med, "rounds": per_round,
+                     "kernels_run": sorted(names[(name, direction, mib)])})
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", action="append", default=[], metavar="norm:ROWS:H",
@@ -213,42 +259,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     functorch_config.donated_buffer = False
     cycles = int(dt.HIDE_HOST_MS * dt.sleep_cycles_per_ms())
     directions = args.direction or ["forward", "backward"]
-    jobs = {}
+    br.BACKEND_FILTER = tuple(args.backend or DEFAULT_BACKENDS)  # no other peer is built
+    flush_of = {mib: _flush_buffer(mib) for mib in flushes}
+    rows = []
     for case in cases:
-        for (name, direction), call in _calls(case, args.backend or DEFAULT_BACKENDS,
-                                              directions).items():
+        calls = _calls(case, br.BACKEND_FILTER, directions)
+        if not calls:
+            p.error(f"no backend matched --backend {list(br.BACKEND_FILTER)}")
+        for call in calls.values():
             for _ in range(5):
                 call()
-            for mib in flushes:
-                jobs[(f"{case[1]}x{case[2]}", direction, name, mib)] = call
-    if not jobs:
-        p.error("no backend matched --backend")
-    flush_of = {mib: torch.empty(mib * 2**20 // 4, dtype=torch.int, device="cuda")
+        jobs = {(name, direction, mib): call for (name, direction), call in calls.items()
                 for mib in flushes}
-    rounds: dict = {key: [] for key in jobs}
-    names: dict = {}
-    for r in range(args.rounds):
-        for key, call in jobs.items():
-            flush = flush_of[key[3]]
-            plain, _ = time_call(call, flush, cycles, args.calls, profiled=False)
-            event, acts = time_call(call, flush, cycles, args.calls, profiled=True)
-            split = split_calls(acts)
-            if len(split) != len(event):
-                raise RuntimeError(f"{key}: {len(event)} calls timed, {len(split)} found in "
-                                   "the profile")
-            parts = [call_parts(s, ks, e) | {"event": e} for (s, ks), e in zip(split, event,
-                                                                              strict=True)]
-            names.setdefault(key, sorted({n for q in parts for n in q["names"]}))
-            rounds[key].append(median_parts(parts) | {"event_plain": statistics.median(plain)})
-        print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
-    rows = []
-    for (case, direction, name, mib), per_round in rounds.items():
-        med = {f: (statistics.median(v) if (v := [q[f] for q in per_round
-                                                  if q[f] is not None]) else None)
-               for f in FIELDS}
-        rows.append({"case": case, "direction": direction, "backend": name, "flush_mib": mib,
-                     **{f"{f}_us": med[f] for f in FIELDS}, "rounds": per_round,
-                     "kernels_run": names[(case, direction, name, mib)]})
+        rounds: dict = {key: [] for key in jobs}
+        names: dict = {key: set() for key in jobs}
+        for r in range(args.rounds):
+            for key, call in jobs.items():
+                rounds[key].append(time_round(call, flush_of[key[2]], cycles, args.calls,
+                                              names[key], f"{case}, {key}"))
+            print(f"{case[1]}x{case[2]}: round {r + 1} of {args.rounds} done",
+                  file=sys.stderr)
+        rows += summarize(f"{case[1]}x{case[2]}", rounds, names)
     head = f"{'case':10} {'dir':8} {'backend':30} {'flush':>5} " + " ".join(
         f"{f:>11}" for f in FIELDS)
     print(head)
