@@ -3,19 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/run.py and device_timing
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_code_warmth_small", ROOT / "bench" / "micro" / "code_warmth_small.py")
-cw = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(cw)
+cw = load_script("bench/micro/code_warmth_small.py", "bench_code_warmth_small")
 
 
 class _SavesRstd(torch.autograd.Function):

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
-bc = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bc)
+bc = load_script("bench/compare.py", "bench_compare")
 
 
 def _row(backend, direction, us, device_us=None, shape=(4, 8)):

@@ -4,21 +4,14 @@ calls faked; the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/run.py and device_timing
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_launch_overhead", ROOT / "bench" / "micro" / "launch_overhead.py")
-lo = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(lo)
+lo = load_script("bench/micro/launch_overhead.py", "bench_launch_overhead")
 K = lo.Kernel
 FILL = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>"
 SLEEP = "at::cuda::(anonymous namespace)::spin_kernel(long)"

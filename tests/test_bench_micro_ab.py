@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("bench_micro_ab", ROOT / "bench" / "micro" / "ab.py")
-ab = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_micro_ab"] = ab  # dataclasses look their module up there
-_SPEC.loader.exec_module(ab)
+ab = load_script("bench/micro/ab.py", "bench_micro_ab", register=True)
 
 # lines as the harnesses print them (row_forward_ab.cu, small_backward_ab.cu)
 ROW_LINE = ("v1                                 q/k rms       524288 x 256      132.45 us  "

@@ -4,18 +4,14 @@ stand-in for bench/run.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_repeat", Path(__file__).resolve().parents[1] / "bench" / "repeat.py")
-repeat = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(repeat)
+repeat = load_script("bench/repeat.py", "bench_repeat")
 
 
 def _row(backend, direction, device_us, shape=(1, 2048), us=None):

@@ -3,15 +3,10 @@ spread kept per row, and the rows the docs render."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _scripts import load_script
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_run", Path(__file__).resolve().parents[1] / "bench" / "run.py")
-run = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(run)
+run = load_script("bench/run.py", "bench_run")
 
 
 def test_rounds_interleave_every_job_and_drop_a_failing_one():

@@ -4,16 +4,12 @@ two kernels, one of them repeated as ncu repeats a kernel per profiled launch.""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
-_SPEC = importlib.util.spec_from_file_location(
-    "ncu_sass_summary", Path(__file__).resolve().parents[1] / "scripts" / "ncu_sass_summary.py")
-summary = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(summary)
+summary = load_script("scripts/ncu_sass_summary.py", "ncu_sass_summary")
 
 HEADER = ["Address", "Source", "# Samples", "Instructions Executed", "stall_long_sb",
           "stall_no_inst", "stall_long_sb (Not Issued)"]
