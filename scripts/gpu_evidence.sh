@@ -101,7 +101,7 @@ for s in $stages; do
     launch-overhead)  # the small norms' event times split into launch lead, kernels and rest
       # (CUPTI through torch.profiler), flushed and warm, into bench/results/probes/
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-      run ${LAUNCH_LIMIT:-330} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
+      run ${LAUNCH_LIMIT:-400} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed

@@ -150,6 +150,9 @@ def test_main_times_each_case_before_building_the_next(monkeypatch, tmp_path, ca
 
     def fake_calls(case, backends, directions):
         log.append(f"build {case[1]}")
+        if case[1] == 64:  # the first case's rows are on disk before the second is built
+            done = json.loads((tmp_path / "launch_overhead.json").read_text())["rows"]
+            assert [r["case"] for r in done] == ["1x2048", "1x2048"]
         assert backends == ("torch_ext", "liger") and directions == ["forward"]
         return {(f"peer{i}", "forward"): (lambda i=i: log.append(f"call {case[1]} {i}"))
                 for i in range(2)}
@@ -176,6 +179,7 @@ def test_main_times_each_case_before_building_the_next(monkeypatch, tmp_path, ca
     assert all(e.startswith("call 1 ") for e in log[1:first_of_64])
     assert len(log[1:first_of_64]) == 2 * 5 + 2 * 2 * 2  # warm-up, then 2 rounds x 2 loops
     data = json.loads((tmp_path / "launch_overhead.json").read_text())
+    assert data["cases"] == ["1x2048", "64x256"] and data["device"] == "fake GPU"
     assert [(r["case"], r["backend"]) for r in data["rows"]] == [
         ("1x2048", "peer0"), ("1x2048", "peer1"), ("64x256", "peer0"), ("64x256", "peer1")]
     row = data["rows"][0]

@@ -32,7 +32,8 @@ repository root)::
         --flush-mib 1] [--backend torch_ext --backend compile --backend liger]
         [--direction forward] [--calls 100] [--rounds 2] [--out DIR]
 
-Prints a table of medians (µs) and writes ``launch_overhead.json`` under ``--out``: per
+Prints a table of medians (µs) and writes ``launch_overhead.json`` under ``--out`` (again
+after each case, so that a run cut short keeps the cases it finished): per
 case, direction, backend and flush size, the medians over the rounds, every round's values
 and the names of the kernels the calls ran (over all rounds).
 """
@@ -261,6 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     directions = args.direction or ["forward", "backward"]
     br.BACKEND_FILTER = tuple(args.backend or DEFAULT_BACKENDS)  # no other peer is built
     flush_of = {mib: _flush_buffer(mib) for mib in flushes}
+    from normspec.report import git_state
+
+    dest = args.out / "launch_overhead.json"
+    head = {"device": torch.cuda.get_device_name(), "calls": args.calls,
+            "rounds": args.rounds, "git": git_state(), "command": "python3 " + " ".join(sys.argv),
+            "hide_host_ms": dt.HIDE_HOST_MS, "cases": [f"{r}x{h}" for _, r, h in cases]}
     rows = []
     for case in cases:
         calls = _calls(case, br.BACKEND_FILTER, directions)
@@ -280,23 +287,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{case[1]}x{case[2]}: round {r + 1} of {args.rounds} done",
                   file=sys.stderr)
         rows += summarize(f"{case[1]}x{case[2]}", rounds, names)
-    head = f"{'case':10} {'dir':8} {'backend':30} {'flush':>5} " + " ".join(
-        f"{f:>11}" for f in FIELDS)
-    print(head)
+        write_json(dest, head | {"rows": rows})  # after every case: a cut run keeps them
+    print(f"{'case':10} {'dir':8} {'backend':30} {'flush':>5} "
+          + " ".join(f"{f:>11}" for f in FIELDS))
     for r in rows:
         print(f"{r['case']:10} {r['direction']:8} {r['backend'][:30]:30} {r['flush_mib']:5} "
               + " ".join("        n/a" if r[f"{f}_us"] is None else f"{r[f'{f}_us']:11.2f}"
                          for f in FIELDS))
-    from normspec.report import git_state
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    dest = args.out / "launch_overhead.json"
-    dest.write_text(json.dumps({"device": torch.cuda.get_device_name(), "calls": args.calls,
-                                "rounds": args.rounds, "git": git_state(),
-                                "command": "python3 " + " ".join(sys.argv),
-                                "hide_host_ms": dt.HIDE_HOST_MS, "rows": rows}, indent=1))
     print(f"wrote {dest}")
     return 0
+
+
+def write_json(dest: Path, data: dict) -> None:
+    """``data`` as JSON at ``dest``, its folder made first."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":
