@@ -1091,6 +1091,26 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   if constexpr (NP == 1) {
     if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
+#if NORMSPEC_ROW_WEIGHT_EARLY
+  // Experiment (build flag, off by default; notes/perf.md §32): with more passes, the
+  // rms and fused forms of a 16-bit weight read as it is (F_W_RAW) issue the weight's
+  // loads with the row's, as raw vectors (4 registers a pass), instead of after the
+  // reduction: warm, the row's loads return soon, and the weight's round trip after the
+  // reduction is then on the critical path (Liger's kernel loads both at once). The
+  // factors are widened and scaled as weight_factors does, so the bits should be the same
+  // (not yet run on a GPU: bench/micro/row_forward_ab.cu's hashes check them).
+  constexpr bool EARLY_W = NP > 1 && FULL && sizeof(T) == 2 && OP != OP_GATED;
+#else
+  constexpr bool EARLY_W = false;
+#endif
+  uint4 w_raw[EARLY_W ? NP : 1];
+  if constexpr (EARLY_W) {
+    if (flags & F_W_RAW) {
+#pragma unroll
+      for (int p = 0; p < NP; ++p)  // every vector is whole (FULL)
+        w_raw[p] = *reinterpret_cast<const uint4*>(static_cast<const T*>(w) + p * S + tcol);
+    }
+  }
 #if NORMSPEC_ROW_WEIGHT_PREFETCH
   // Experiment (bench/micro/row_forward_ab.cu): more passes load the weight after the
   // reduction; ask for its lines in L1 now, at no register cost.
@@ -1152,6 +1172,10 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
       if constexpr (NP == 1) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) g[j] = g1[j];
+      } else if (EARLY_W && (flags & F_W_RAW)) {
+        unpack<T>(w_raw[p], g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
       } else {
         weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
       }

@@ -19,6 +19,9 @@
 //     kernel): the row's start for the rms norm's constant forms of 64 and more lanes
 //     only, which this harness found faster (row_per_pass_addressing in
 //     normspec_pipe.cuh);
+//   NORMSPEC_ROW_WEIGHT_EARLY=1: with more than one pass, the rms and fused forms load a
+//     16-bit weight (raw) with the row instead of after the reduction (notes §32: warm,
+//     our 4096-row forwards trailed Liger's, which loads both at once);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
 //     into L1 before the reduction (the weight itself is still loaded after it; on the
 //     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
@@ -38,6 +41,13 @@
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
 //
 // NORMSPEC_AB_ONLY=<text> (run time) runs only the cases whose name contains the text.
+// NORMSPEC_AB_FLUSH_MIB=<1..512> (run time) flushes that much instead (1: warm, the
+// launch's data and code in L2) and queues a spin kernel before each timed launch
+// (micro_util.cuh's Timer); ab.py runs it as an --env variant:
+//
+//   NORMSPEC_AB_ONLY=rms python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
+//       --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=1 --env "" \
+//       --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3
 //
 // NORMSPEC_AB_FOLLOWER=1 (run time) adds, per case, "+read y": the norm and then a kernel
 // that reads its output y (as the next layer does), timed together, and "read y after":
