@@ -91,6 +91,13 @@ the same bits; these variables only change speed (read once per process):
   a time in bf16, each rounded once (the same bits; on an H200, 2**21 x 128:
   778.9-779.8 us against 775.4-776.5).
 
+Build-time experiments go through ``NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or
+``NAME=VALUE``, passed as ``-D`` flags to every source; such a build is cached in a
+directory of its own), e.g. ``NORMSPEC_BUILD_DEFINES=NORMSPEC_ROW_WEIGHT_EARLY=1``: the
+one-row forward's forms of more than one pass load a 16-bit weight with the row, before
+the reduction, widened and scaled as the default form does (not yet run on a GPU;
+``bench/micro/ab.py``'s output hashes check the bits).
+
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
 which also return rstd (fp32, one value per row, 4 bytes a row), and the

@@ -6,11 +6,18 @@ torch sees a GPU and ``nvcc`` is found. The build is cached under
 ``$NORMSPEC_BUILD_DIR`` or ``$TORCH_EXTENSIONS_DIR/normspec`` or
 ``~/.cache/normspec/torch_ext`` (one sub-directory per torch / CUDA / Python
 version), so only the first use pays for the compilation.
+
+``$NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or ``NAME=VALUE``) adds preprocessor
+definitions to every source: the kernels' build-time experiments, such as
+``NORMSPEC_ROW_WEIGHT_EARLY=1`` (see ``normspec_pipe.cuh``). A build with definitions gets
+a sub-directory of its own, so that it and the default build stay cached side by side.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import sys
 import threading
@@ -18,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CSRC", "available", "build", "build_directory", "cuda_build_possible", "loaded"]
+__all__ = ["CSRC", "available", "build", "build_defines", "build_directory",
+           "cuda_build_possible", "loaded"]
 
 #: The directory of the C++/CUDA sources (shipped in the wheel as package data).
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -59,10 +67,30 @@ def cuda_build_possible() -> str | None:
     return None
 
 
+_DEFINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?")
+
+
+def build_defines() -> list[str]:
+    """The ``-D`` flags of ``$NORMSPEC_BUILD_DEFINES`` (empty when unset).
+
+    Raises ``ValueError`` naming the variable and the entry that is not ``NAME`` or
+    ``NAME=VALUE`` (a C identifier, and a value of letters, digits and ``_.+-``)."""
+    defines = os.environ.get("NORMSPEC_BUILD_DEFINES", "").split()
+    for d in defines:
+        if not _DEFINE.fullmatch(d):
+            raise ValueError(f"NORMSPEC_BUILD_DEFINES: expected space-separated NAME or "
+                             f"NAME=VALUE entries, got {d!r}")
+    return [f"-D{d}" for d in defines]
+
+
 def _tag(with_cuda: bool) -> str:
     dev = f"cu{torch.version.cuda}" if with_cuda else "cpu"
     torch_version = torch.__version__.replace("+", "_")
-    return f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
+    tag = f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
+    defines = build_defines()
+    if defines:
+        tag += "-defs" + hashlib.sha256(" ".join(defines).encode()).hexdigest()[:10]
+    return tag
 
 
 def build_directory(with_cuda: bool | None = None) -> Path:
@@ -81,6 +109,11 @@ def build_directory(with_cuda: bool | None = None) -> Path:
 
 def _prerequisites() -> str | None:
     from torch.utils import cpp_extension
+
+    try:
+        build_defines()
+    except ValueError as exc:
+        return str(exc)
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
@@ -116,9 +149,10 @@ def build(verbose: bool = True) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         name = "normspec_torch_ext_cuda" if with_cuda else "normspec_torch_ext_cpu"
         if verbose:
+            extra = f" with {' '.join(build_defines())}" if build_defines() else ""
             print(
                 f"normspec: building {name} ({'CPU + CUDA' if with_cuda else 'CPU only'}) "
-                f"in {directory}",
+                f"in {directory}{extra}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -126,8 +160,8 @@ def build(verbose: bool = True) -> str:
             cpp_extension.load(
                 name=name,
                 sources=sources,
-                extra_cflags=CFLAGS,
-                extra_cuda_cflags=CUDA_CFLAGS,
+                extra_cflags=CFLAGS + build_defines(),
+                extra_cuda_cflags=CUDA_CFLAGS + build_defines(),
                 extra_include_paths=[str(CSRC)],
                 build_directory=str(directory),
                 verbose=verbose,

@@ -1,0 +1,31 @@
+"""The torch extension's build settings: ``NORMSPEC_BUILD_DEFINES`` (no compilation here)."""
+
+from __future__ import annotations
+
+import pytest
+
+_build = pytest.importorskip("normspec.backends.torch_ext._build")
+
+
+def test_build_defines_become_flags_and_a_directory_of_their_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("NORMSPEC_BUILD_DEFINES", raising=False)
+    assert _build.build_defines() == []
+    plain = _build.build_directory(with_cuda=False)
+    assert plain.parent == tmp_path and "-defs" not in plain.name
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", " NORMSPEC_ROW_WEIGHT_EARLY=1  FOO ")
+    assert _build.build_defines() == ["-DNORMSPEC_ROW_WEIGHT_EARLY=1", "-DFOO"]
+    with_defs = _build.build_directory(with_cuda=False)
+    assert with_defs.name.startswith(plain.name + "-defs") and with_defs != plain
+    assert _build.build_directory(with_cuda=False) == with_defs  # the same defines, the same
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=0")
+    assert _build.build_directory(with_cuda=False) not in (plain, with_defs)
+
+
+@pytest.mark.parametrize("bad", ["1ABC", "A=b;rm", "A B=$(x)", "-DFOO"])
+def test_bad_build_defines_are_named_and_make_the_backend_unavailable(monkeypatch, bad):
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", bad)
+    with pytest.raises(ValueError, match="NORMSPEC_BUILD_DEFINES: expected space-separated "
+                                         "NAME or NAME=VALUE entries, got '"):
+        _build.build_defines()
+    assert _build._prerequisites().startswith("NORMSPEC_BUILD_DEFINES: expected")
