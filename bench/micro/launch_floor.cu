@@ -91,14 +91,9 @@ static const char* mode_name(Mode m) {
   return m == Mode::kCold ? "cold" : m == Mode::kCodeWarm ? "code warm" : "warm";
 }
 
-// Keeps the GPU busy for about `cycles` clocks without touching memory: queued before the
-// start event of a warm launch, it hides the host's launch gap as the memset does for the
-// flushed modes (without it, the first run's warm column timed the host, 5.5-6.9 us).
-__global__ void spin_kernel(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
+// (micro_util.cuh's spin_kernel, queued before the start event of a warm launch, hides
+// the host's launch gap as the memset does for the flushed modes: without it, the first
+// run's warm column timed the host, 5.5-6.9 us.)
 
 // Median us of `launch` in `mode` (Timer flushes before every timed launch; warm skips the
 // flush and spins instead).

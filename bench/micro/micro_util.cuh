@@ -48,17 +48,39 @@ inline unsigned long long fnv(const void* d, size_t bytes, unsigned long long h)
   return h;
 }
 
+// Keeps the GPU busy for about `cycles` clocks without touching memory: queued before a
+// timed launch, it hides the host's launch gap where no long flush does.
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
 // Median microseconds of `launch` over `reps` runs, each after a 512 MiB memset
 // (which leaves L2 full of dirty lines, as triton's do_bench does), after 5 warm-ups.
-// flush_bytes = 0 (set after construction) times without the memset.
+// flush_bytes = 0 (set after construction) times without the memset. spin_cycles > 0
+// queues a spin kernel of that many cycles after the flush, before the start event.
+// NORMSPEC_AB_FLUSH_MIB=<1..512> (run time) sets a smaller flush and a spin of 200000
+// cycles (about 0.1 ms): with 1 MiB the launch's data and code stay in L2 (warm), as in
+// bench/run.py --flush-mib 1 (notes/perf.md §32).
 struct Timer {
   void* flush = nullptr;
   size_t flush_bytes = 512ull << 20;
+  long long spin_cycles = 0;
   cudaEvent_t e0, e1;
   Timer() {
     CK(cudaMalloc(&flush, flush_bytes));
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
+    if (const char* s = std::getenv("NORMSPEC_AB_FLUSH_MIB")) {
+      const long mib = std::strtol(s, nullptr, 10);
+      if (mib < 1 || mib > 512) {
+        std::fprintf(stderr, "NORMSPEC_AB_FLUSH_MIB: expected 1..512, got %s\n", s);
+        std::exit(2);
+      }
+      flush_bytes = static_cast<size_t>(mib) << 20;
+      spin_cycles = 200000;
+    }
   }
   template <typename F>
   float median_us(F launch, int reps = 40) {
@@ -72,6 +94,7 @@ struct Timer {
     for (int i = 0; i < reps; ++i) {
       if (flush_bytes != 0) CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
       before();
+      if (spin_cycles > 0) spin_kernel<<<1, 32>>>(spin_cycles);
       CK(cudaEventRecord(e0));
       launch();
       CK(cudaEventRecord(e1));
