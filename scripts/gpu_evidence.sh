@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -104,6 +104,14 @@ for s in $stages; do
       run ${LAUNCH_LIMIT:-400} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
+    weight-early)  # the one-row forward with the weight loaded with the row (build flag
+      # NORMSPEC_ROW_WEIGHT_EARLY), against the default, after the 512 MiB flush and warm;
+      # ab.py checks that both builds' outputs hash alike (notes/perf.md §32)
+      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      mkdir -p bench/results/sweeps
+      run ${MICRO_LIMIT:-300} weight-early python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
+        --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=1 --env "" --env NORMSPEC_AB_FLUSH_MIB=1 \
+        --rounds 3 --out "bench/results/sweeps/row_weight_early_${commit}.json" ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     small-repeat)  # the small cases in three fresh processes each, first with the bench's
