@@ -22,10 +22,33 @@ def test_build_defines_become_flags_and_a_directory_of_their_own(monkeypatch, tm
     assert _build.build_directory(with_cuda=False) not in (plain, with_defs)
 
 
-@pytest.mark.parametrize("bad", ["1ABC", "A=b;rm", "A B=$(x)", "-DFOO"])
+@pytest.mark.parametrize("bad", ["1ABC", "A=b;rm", "A B=$(x)", "-DFOO", "NORMSPEC_X="])
 def test_bad_build_defines_are_named_and_make_the_backend_unavailable(monkeypatch, bad):
     monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", bad)
     with pytest.raises(ValueError, match="NORMSPEC_BUILD_DEFINES: expected space-separated "
                                          "NAME or NAME=VALUE entries, got '"):
         _build.build_defines()
     assert _build._prerequisites().startswith("NORMSPEC_BUILD_DEFINES: expected")
+
+
+def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
+    """``build`` hands the ``-D`` flags to the C++ and the CUDA compiler and builds in the
+    defines' own directory (the compiler itself faked)."""
+    from torch.utils import cpp_extension
+
+    from normspec.backends.torch_ext import _ops
+
+    seen = {}
+    monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=1")
+    monkeypatch.setattr(_build, "_loaded", None)
+    monkeypatch.setattr(_build, "_error", None)
+    monkeypatch.setattr(_build, "_prerequisites", lambda: None)
+    monkeypatch.setattr(_build, "cuda_build_possible", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(_ops, "_register_python_parts", lambda: None)
+    path = _build.build(verbose=False)
+    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cflags"]
+    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cuda_cflags"]
+    assert "-O3" in seen["extra_cuda_cflags"]  # added to the usual flags, not instead
+    assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])

@@ -1098,7 +1098,8 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // reduction: warm, the row's loads return soon, and the weight's round trip after the
   // reduction is then on the critical path (Liger's kernel loads both at once). The
   // factors are widened and scaled as weight_factors does, so the bits should be the same
-  // (not yet run on a GPU: bench/micro/row_forward_ab.cu's hashes check them).
+  // (not yet run on a GPU: bench/micro/row_forward_ab.cu's hashes check bf16 with offset 1,
+  // the CUDA tests built with the flag the rest).
   constexpr bool EARLY_W = NP > 1 && FULL && sizeof(T) == 2 && OP != OP_GATED;
 #else
   constexpr bool EARLY_W = false;

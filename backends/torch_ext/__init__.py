@@ -95,8 +95,9 @@ Build-time experiments go through ``NORMSPEC_BUILD_DEFINES`` (space-separated ``
 ``NAME=VALUE``, passed as ``-D`` flags to every source; such a build is cached in a
 directory of its own), e.g. ``NORMSPEC_BUILD_DEFINES=NORMSPEC_ROW_WEIGHT_EARLY=1``: the
 one-row forward's forms of more than one pass load a 16-bit weight with the row, before
-the reduction, widened and scaled as the default form does (not yet run on a GPU;
-``bench/micro/ab.py``'s output hashes check the bits).
+the reduction, widened and scaled as the default form does (not yet run on a GPU; the
+bits need checking there: ``bench/micro/ab.py``'s hashes cover bf16 with offset 1, the
+CUDA tests with this build the rest).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,

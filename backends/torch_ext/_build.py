@@ -67,14 +67,15 @@ def cuda_build_possible() -> str | None:
     return None
 
 
-_DEFINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?")
+_DEFINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]+)?")
 
 
 def build_defines() -> list[str]:
     """The ``-D`` flags of ``$NORMSPEC_BUILD_DEFINES`` (empty when unset).
 
     Raises ``ValueError`` naming the variable and the entry that is not ``NAME`` or
-    ``NAME=VALUE`` (a C identifier, and a value of letters, digits and ``_.+-``)."""
+    ``NAME=VALUE`` (a C identifier, and a non-empty value of letters, digits and
+    ``_.+-``)."""
     defines = os.environ.get("NORMSPEC_BUILD_DEFINES", "").split()
     for d in defines:
         if not _DEFINE.fullmatch(d):

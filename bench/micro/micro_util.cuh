@@ -62,7 +62,8 @@ __global__ void spin_kernel(long long cycles) {
 // queues a spin kernel of that many cycles after the flush, before the start event.
 // NORMSPEC_AB_FLUSH_MIB=<1..512> (run time) sets a smaller flush and a spin of 200000
 // cycles (about 0.1 ms): with 1 MiB the launch's data and code stay in L2 (warm), as in
-// bench/run.py --flush-mib 1 (notes/perf.md §32).
+// bench/run.py --flush-mib 1 (notes/perf.md §32). It applies to every Timer of the
+// harness (launch_floor's "cold" column too); leave it unset for the harnesses' own modes.
 struct Timer {
   void* flush = nullptr;
   size_t flush_bytes = 512ull << 20;
@@ -73,8 +74,9 @@ struct Timer {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     if (const char* s = std::getenv("NORMSPEC_AB_FLUSH_MIB")) {
-      const long mib = std::strtol(s, nullptr, 10);
-      if (mib < 1 || mib > 512) {
+      char* end = nullptr;
+      const long mib = std::strtol(s, &end, 10);
+      if (end == s || *end != '\0' || mib < 1 || mib > 512) {
         std::fprintf(stderr, "NORMSPEC_AB_FLUSH_MIB: expected 1..512, got %s\n", s);
         std::exit(2);
       }

@@ -21,7 +21,9 @@
 //     normspec_pipe.cuh);
 //   NORMSPEC_ROW_WEIGHT_EARLY=1: with more than one pass, the rms and fused forms load a
 //     16-bit weight (raw) with the row instead of after the reduction (notes §32: warm,
-//     our 4096-row forwards trailed Liger's, which loads both at once);
+//     our 4096-row forwards trailed Liger's, which loads both at once). The hashes here
+//     check its bits for bf16 with offset 1 only; fp16 and offset 0 need the CUDA tests
+//     with the flag (NORMSPEC_BUILD_DEFINES);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
 //     into L1 before the reduction (the weight itself is still loaded after it; on the
 //     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
@@ -40,12 +42,13 @@
 // Prints one line per case: the label, microseconds (median of 40, each after a 512 MiB
 // L2 flush, as triton's do_bench does), and an FNV-1a hash of the outputs.
 //
-// NORMSPEC_AB_ONLY=<text> (run time) runs only the cases whose name contains the text.
+// NORMSPEC_AB_ONLY=<text>[,<text>...] (run time) runs only the cases whose name contains
+// one of the texts.
 // NORMSPEC_AB_FLUSH_MIB=<1..512> (run time) flushes that much instead (1: warm, the
 // launch's data and code in L2) and queues a spin kernel before each timed launch
 // (micro_util.cuh's Timer); ab.py runs it as an --env variant:
 //
-//   NORMSPEC_AB_ONLY=rms python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
+//   NORMSPEC_AB_ONLY=rms,fused python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
 //       --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=1 --env "" \
 //       --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3
 //
@@ -108,6 +111,22 @@ static bool follower_on() {
   return s != nullptr && std::strcmp(s, "1") == 0;
 }
 
+// Whether NORMSPEC_AB_ONLY (run time; comma-separated texts) selects the case `name`: one
+// of its texts is part of the name (every case without it).
+static bool selected(const char* name) {
+  const char* only = std::getenv("NORMSPEC_AB_ONLY");
+  if (only == nullptr || *only == '\0') return true;
+  const std::string list(only), n(name);
+  for (size_t start = 0; start <= list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    const std::string text = list.substr(start, end - start);
+    if (!text.empty() && n.find(text) != std::string::npos) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
 // rms (offset 1, the zero-centred norm), fused (rounded residual sum, offset 1) or
 // gated (silu; `flags` adds F_HF for the transformers convention) over rows x H, as the
 // bench times them. `normal`: the bench's values (fill_normal_bf16: rows N(0, 1), the
@@ -115,8 +134,7 @@ static bool follower_on() {
 template <int OP>
 static void run_case(const char* label, const char* name, long long rows, long long H,
                      Timer& timer, int flags = 0, bool normal = false) {
-  const char* only = std::getenv("NORMSPEC_AB_ONLY");  // run time: cases whose name has it
-  if (only != nullptr && std::string(name).find(only) == std::string::npos) return;
+  if (!selected(name)) return;
   const size_t n = static_cast<size_t>(rows) * H;
   bf16 *x, *r = nullptr, *y, *y2 = nullptr, *w;
   CK(cudaMalloc(&x, n * 2));
