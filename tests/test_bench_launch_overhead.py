@@ -88,7 +88,7 @@ def test_gpu_activities_keeps_the_device_side_in_ns():
     def event(name, device, start, dur, activity):
         return SimpleNamespace(name=lambda: name, device_type=lambda: device,
                                start_ns=lambda: start, duration_ns=lambda: dur,
-                               activity_type=lambda: activity)
+                               is_user_annotation=lambda: "annotation" in activity)
 
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(
         events=lambda: [event("cudaLaunchKernel", DeviceType.CPU, 5, 7, "cuda_runtime"),
