@@ -52,3 +52,42 @@ def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
     assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cuda_cflags"]
     assert "-O3" in seen["extra_cuda_cflags"]  # added to the usual flags, not instead
     assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])
+
+
+def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, capsys):
+    """A ``lock`` file that ``cpp_extension`` left when its build was killed would make
+    ``load`` wait for ever; ``build`` removes it, says so, and holds its own lock while
+    loading (the compiler itself faked)."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    from normspec.backends.torch_ext import _ops
+
+    monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
+    monkeypatch.delenv("NORMSPEC_BUILD_DEFINES", raising=False)
+    monkeypatch.setattr(_build, "_loaded", None)
+    monkeypatch.setattr(_build, "_error", None)
+    monkeypatch.setattr(_build, "_prerequisites", lambda: None)
+    monkeypatch.setattr(_build, "cuda_build_possible", lambda: None)
+    monkeypatch.setattr(_ops, "_register_python_parts", lambda: None)
+    directory = _build.build_directory(with_cuda=True)
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")
+    seen = {}
+
+    def load(**kw):
+        seen["stale_lock_left"] = (directory / "lock").exists()
+        with open(directory / "normspec.flock") as other:  # another process's attempt
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen["held"] = False
+            except BlockingIOError:
+                seen["held"] = True
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    _build.build(verbose=True)
+    assert seen == {"stale_lock_left": False, "held": True}
+    assert f"removing {directory / 'lock'}" in capsys.readouterr().err
+    with open(directory / "normspec.flock") as after:  # released once loaded
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)

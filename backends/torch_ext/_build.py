@@ -11,10 +11,17 @@ version), so only the first use pays for the compilation.
 definitions to every source: the kernels' build-time experiments, such as
 ``NORMSPEC_ROW_WEIGHT_EARLY=1`` (see ``normspec_pipe.cuh``). A build with definitions gets
 a sub-directory of its own, so that it and the default build stay cached side by side.
+
+Builds into one directory are serialised by an advisory lock (``normspec.flock``) that the
+operating system drops when the building process dies. ``torch.utils.cpp_extension``'s
+own lock (a file named ``lock``) is not dropped so: a build killed mid-way leaves it, and
+every later build would wait on it for ever. Holding ours, a normspec build knows that a
+``lock`` file it finds is such a leftover, and removes it (saying so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -126,6 +133,30 @@ def _prerequisites() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _directory_lock(directory: Path, verbose: bool):
+    """Hold ``directory``'s advisory build lock (blocking) and, holding it, remove the
+    ``lock`` file of a killed ``cpp_extension`` build (module docstring). Without
+    ``fcntl`` (Windows) only the stale-file check is skipped."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(directory / "normspec.flock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                if verbose:
+                    print(f"normspec: removing {stale}, left by a build that was stopped "
+                          "(no normspec build holds it)", file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = True) -> str:
     """Build (or load from the cache) the extension and register its operators.
 
@@ -158,17 +189,18 @@ def build(verbose: bool = True) -> str:
                 flush=True,
             )
         try:
-            cpp_extension.load(
-                name=name,
-                sources=sources,
-                extra_cflags=CFLAGS + build_defines(),
-                extra_cuda_cflags=CUDA_CFLAGS + build_defines(),
-                extra_include_paths=[str(CSRC)],
-                build_directory=str(directory),
-                verbose=verbose,
-                with_cuda=with_cuda,
-                is_python_module=False,
-            )
+            with _directory_lock(directory, verbose):
+                cpp_extension.load(
+                    name=name,
+                    sources=sources,
+                    extra_cflags=CFLAGS + build_defines(),
+                    extra_cuda_cflags=CUDA_CFLAGS + build_defines(),
+                    extra_include_paths=[str(CSRC)],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                    with_cuda=with_cuda,
+                    is_python_module=False,
+                )
         except Exception as exc:
             _error = f"build failed: {type(exc).__name__}: {exc}"
             raise RuntimeError(f"normspec torch_ext: {_error}") from exc
