@@ -1091,15 +1091,19 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   if constexpr (NP == 1) {
     if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
+#ifndef NORMSPEC_ROW_WEIGHT_EARLY
+#define NORMSPEC_ROW_WEIGHT_EARLY 1
+#endif
 #if NORMSPEC_ROW_WEIGHT_EARLY
-  // Experiment (build flag, off by default; notes/perf.md §32): with more passes, the
-  // rms and fused forms of a 16-bit weight read as it is (F_W_RAW) issue the weight's
-  // loads with the row's, as raw vectors (4 registers a pass), instead of after the
-  // reduction: warm, the row's loads return soon, and the weight's round trip after the
-  // reduction is then on the critical path (Liger's kernel loads both at once). The
-  // factors are widened and scaled as weight_factors does, so the bits should be the same
-  // (not yet run on a GPU: bench/micro/row_forward_ab.cu's hashes check bf16 with offset 1,
-  // the CUDA tests built with the flag the rest).
+  // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
+  // issue the weight's loads with the row's, as raw vectors (4 registers a pass), instead
+  // of after the reduction: warm, the row's loads return soon, and the weight's round trip
+  // after the reduction is then on the critical path (Liger's kernel loads both at once).
+  // The factors are widened and scaled as weight_factors does, so the bits are the same.
+  // On the H200 (notes/perf.md §33) it took the fused 4096 x 2048 forward from 20.8 to
+  // 20.0 us and the rms 4096 x 2048 from 12.8 to 12.5 (after the 512 MiB flush; 19.7 to
+  // 18.8 and 9.7 to 9.5 warm) and lost nowhere; -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the
+  // late load (for bench/micro/row_forward_ab.cu's A/B).
   constexpr bool EARLY_W = NP > 1 && FULL && sizeof(T) == 2 && OP != OP_GATED;
 #else
   constexpr bool EARLY_W = false;
