@@ -104,15 +104,16 @@ for s in $stages; do
       run ${LAUNCH_LIMIT:-400} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
-    weight-early)  # the one-row forward with the weight loaded with the row (build flag
-      # NORMSPEC_ROW_WEIGHT_EARLY), against the default, after the 512 MiB flush and warm;
-      # ab.py checks that both builds' outputs hash alike (notes/perf.md §32); the rms and
-      # fused cases only (the flag leaves the gated forms as they are)
+    weight-early)  # the one-row forward with the weight loaded with the row (the default
+      # since 71f0ae0) against after the reduction (-DNORMSPEC_ROW_WEIGHT_EARLY=0), after
+      # the 512 MiB flush and warm; ab.py checks that both builds' outputs hash alike
+      # (notes/perf.md §32-33); the rms and fused cases only (the flag leaves the gated
+      # forms as they are)
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/sweeps
       run ${MICRO_LIMIT:-420} weight-early env NORMSPEC_AB_ONLY=rms,fused \
         python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
-        --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=1 --env "" --env NORMSPEC_AB_FLUSH_MIB=1 \
+        --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=0 --env "" --env NORMSPEC_AB_FLUSH_MIB=1 \
         --rounds 3 --out "bench/results/sweeps/row_weight_early_${commit}.json" ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;

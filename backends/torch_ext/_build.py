@@ -9,7 +9,7 @@ version), so only the first use pays for the compilation.
 
 ``$NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or ``NAME=VALUE``) adds preprocessor
 definitions to every source: the kernels' build-time experiments, such as
-``NORMSPEC_ROW_WEIGHT_EARLY=1`` (see ``normspec_pipe.cuh``). A build with definitions gets
+``NORMSPEC_ROW_WEIGHT_EARLY=0`` (see ``normspec_pipe.cuh``). A build with definitions gets
 a sub-directory of its own, so that it and the default build stay cached side by side.
 
 Builds into one directory are serialised by an advisory lock (``normspec.flock``) that the

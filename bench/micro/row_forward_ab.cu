@@ -19,11 +19,11 @@
 //     kernel): the row's start for the rms norm's constant forms of 64 and more lanes
 //     only, which this harness found faster (row_per_pass_addressing in
 //     normspec_pipe.cuh);
-//   NORMSPEC_ROW_WEIGHT_EARLY=1: with more than one pass, the rms and fused forms load a
-//     16-bit weight (raw) with the row instead of after the reduction (notes §32: warm,
-//     our 4096-row forwards trailed Liger's, which loads both at once). The hashes here
-//     check its bits for bf16 with offset 1 only; fp16 and offset 0 need the CUDA tests
-//     with the flag (NORMSPEC_BUILD_DEFINES);
+//   NORMSPEC_ROW_WEIGHT_EARLY=0: with more than one pass, the rms and fused forms load a
+//     16-bit weight after the reduction, as before 71f0ae0, instead of with the row (=1,
+//     the shipped kernel: on the H200 it won at rms and fused 4096 x 2048 and lost
+//     nowhere, notes §33; bench/results/sweeps/row_weight_early_3c999ab.json, where
+//     the early load was the =1 build and the late one the default);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
 //     into L1 before the reduction (the weight itself is still loaded after it; on the
 //     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
@@ -49,7 +49,7 @@
 // (micro_util.cuh's Timer); ab.py runs it as an --env variant:
 //
 //   NORMSPEC_AB_ONLY=rms,fused python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
-//       --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=1 --env "" \
+//       --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=0 --env "" \
 //       --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3
 //
 // NORMSPEC_AB_FOLLOWER=1 (run time) adds, per case, "+read y": the norm and then a kernel
