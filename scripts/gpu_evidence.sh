@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -79,6 +79,11 @@ for s in $stages; do
       cp "$OUT/ncu/ncu_small${w}.csv" "bench/results/ncu/small${w}_${gpu}.csv" 2>/dev/null
       run ${NCU_LIMIT:-240} ncu-small-peers env OUT="$OUT/ncu" SMALL=1 PEERS=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_small_peers${w}.csv" "bench/results/ncu/small_torch_compile${w}_${gpu}.csv" 2>/dev/null ;;
+    ncu-small-liger)  # Liger's kernels on the same small work (CACHE as above)
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      w=; [ "${CACHE:-all}" = none ] && w=_warm
+      run ${NCU_LIMIT:-150} ncu-small-liger env OUT="$OUT/ncu" SMALL=1 LIGER=1 bash scripts/ncu_profile.sh
+      cp "$OUT/ncu/ncu_small_liger${w}.csv" "bench/results/ncu/small_liger${w}_${gpu}.csv" 2>/dev/null ;;
     ncu-source)  # the gated forward's per-instruction stall samples: ours, then torch.compile's
       # (a full report of one launch each, then its SASS page as CSV, to read off the device)
       mkdir -p "$OUT/ncu"  # (the build stage above built our kernels)

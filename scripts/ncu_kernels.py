@@ -12,7 +12,9 @@ them). ``--fla``: FLA's rms norm forward and its gated norm forward (and backwar
 zero-centred norm's forward and backward over 1, 64 and 4096 rows of 2048 (ours, or with
 ``--peers`` torch.compile's), the shapes where a launch's latency, not its bandwidth, sets
 the time: ncu's kernel durations, against the bench's device time, show how much of that
-time is the kernels themselves. ``--gated``: instead, the gated forward 2^21 x 128 with a
+time is the kernels themselves; ``--liger --small``: Liger's kernels on the same work (as
+``bench/run.py`` calls them: offset 1, gemma casting), the fastest warm peer at 1 x 2048
+(notes/perf.md §33). ``--gated``: instead, the gated forward 2^21 x 128 with a
 bf16 weight alone, ours in both conventions (vllm, then hf: their kernels' executed
 instructions and stalls side by side), or with ``--peers`` torch.compile's."""
 
@@ -107,6 +109,15 @@ def peers_small() -> Callable[[], None]:
     return _small_round(lambda rows: mods[rows], lambda rows: list(mods[rows].parameters()))
 
 
+def liger_small() -> Callable[[], None]:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    w = (0.1 * torch.randn(2048, device="cuda")).to(BF16).requires_grad_()
+    return _small_round(
+        lambda rows: lambda x: LigerRMSNormFunction.apply(x, w, EPS, 1.0, "gemma", False),
+        lambda rows: [w])
+
+
 def ours_gated() -> Callable[[], None]:
     """Our gated forward 2^21 x 128 (bf16 weight, no grad), vllm then hf."""
     from normspec.backends import torch_ext as te
@@ -187,6 +198,8 @@ def main(argv=None) -> int:
     who.add_argument("--peers", action="store_true",
                      help="torch.compile of the transformers modules instead of ours")
     who.add_argument("--fla", action="store_true", help="FLA's kernels instead of ours")
+    who.add_argument("--liger", action="store_true",
+                     help="Liger's kernels instead of ours (with --small only)")
     p.add_argument("--backward", action="store_true",
                    help="also the gated backward (and our fused forward and backward)")
     shapes = p.add_mutually_exclusive_group()
@@ -196,6 +209,8 @@ def main(argv=None) -> int:
     shapes.add_argument("--gated", action="store_true",
                         help="the gated forward 2^21 x 128 alone instead (ours: vllm and hf)")
     args = p.parse_args(argv)
+    if args.liger and not args.small:
+        p.error("--liger: with --small only")
     if args.gated:
         if args.fla or args.backward:
             p.error("--gated: ours or --peers only, the forward only")
@@ -203,7 +218,8 @@ def main(argv=None) -> int:
     elif args.small:
         if args.fla or args.backward:
             p.error("--small: ours or --peers only, forward and backward always")
-        one_round = peers_small() if args.peers else ours_small()
+        one_round = (peers_small() if args.peers else liger_small() if args.liger
+                     else ours_small())
     else:
         make = peers if args.peers else fla if args.fla else ours
         one_round = make(args.backward)

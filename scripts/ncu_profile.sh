@@ -10,7 +10,8 @@
 # backward at 1, 64 and 4096 rows of 2048 instead, every kernel of ours (or, with PEERS=1,
 # torch.compile's), into ncu_small.csv (ncu_small_peers.csv). GATED=1: the gated forward
 # 2^21 x 128 alone (ours in both conventions, or with PEERS=1 torch.compile's), into
-# ncu_gated.csv (ncu_gated_peers.csv).
+# ncu_gated.csv (ncu_gated_peers.csv). LIGER=1 (with SMALL=1): Liger's kernels on the small
+# work instead, into ncu_small_liger.csv.
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
 # The clocks are left alone (--clock-control none), as the lent H200's notes ask.
 # CACHE=none: ncu's --cache-control none, so that it does not flush the caches before each
@@ -20,6 +21,9 @@ set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
   filter='regex:triton_'; args=--peers; csv="$OUT/ncu_peers.csv"
+elif [ "${LIGER:-0}" = 1 ]; then
+  [ "${SMALL:-0}" = 1 ] || { echo "LIGER=1 needs SMALL=1" >&2; exit 2; }
+  filter='regex:_rms_norm_'; args=--liger; csv="$OUT/ncu_small_liger.csv"
 elif [ "${FLA:-0}" = 1 ]; then
   filter='regex:layer_norm'; args=--fla; csv="$OUT/ncu_fla.csv"
 else
@@ -29,7 +33,8 @@ fi
 [ "${BACKWARD:-0}" = 1 ] && args="$args --backward"
 if [ "${SMALL:-0}" = 1 ]; then
   args="$args --small"
-  [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_small_peers.csv" || { filter='regex:normspec_'; csv="$OUT/ncu_small.csv"; }
+  if [ "${PEERS:-0}" = 1 ]; then csv="$OUT/ncu_small_peers.csv"
+  elif [ "${LIGER:-0}" != 1 ]; then filter='regex:normspec_'; csv="$OUT/ncu_small.csv"; fi
 elif [ "${GATED:-0}" = 1 ]; then
   args="$args --gated"
   [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_gated_peers.csv" || csv="$OUT/ncu_gated.csv"
