@@ -10,7 +10,7 @@
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
 #   BACKWARD=1 adds the gated backward to the ncu stages; small-repeat's REPEAT_LIMIT bounds
-#   each of its two runs, REPEAT_AFTER_FLUSH="0" or "1" keeps one of them)
+#   each of its runs, REPEAT_AFTER_FLUSH picks them: "0", "1" (the default "0 1"), "w" warm)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
@@ -125,15 +125,21 @@ for s in $stages; do
     small-repeat)  # the small cases in three fresh processes each, first with the bench's
       # protocol, then with one no-op kernel after the flush (notes/perf.md §31), ranked
       # into bench/results/repeat/ (the benchmarks page renders every file there)
+      # REPEAT_AFTER_FLUSH="w" (or a list with w) adds the warm run: a 1 MiB flush, L2 and
+      # the code left warm (notes/perf.md §32), into small_warm_flush_1mib_<commit>.json
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/repeat
       for k in ${REPEAT_AFTER_FLUSH:-0 1}; do
+        if [ "$k" = w ]; then
+          how="--flush-mib 1"; name=small_warm_flush_1mib
+        else
+          how="--after-flush-kernels $k"; name=small_after_flush_$k
+        fi
         run ${REPEAT_LIMIT:-280} "small-repeat-$k" python3 bench/repeat.py --processes 3 \
           --out "$OUT/repeat_$k" -- --case norm:1:2048 --case norm:64:2048 \
           --case norm:4096:2048 --case norm:64:256 --case norm:4096:256 --rounds 5 \
-          --backend torch_ext --backend compile --backend liger --after-flush-kernels $k
-        cp "$OUT/repeat_$k"/*.json \
-          "bench/results/repeat/small_after_flush_${k}_${commit}.json" 2>/dev/null
+          --backend torch_ext --backend compile --backend liger $how
+        cp "$OUT/repeat_$k"/*.json "bench/results/repeat/${name}_${commit}.json" 2>/dev/null
       done ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;

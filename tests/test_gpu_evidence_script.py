@@ -1,0 +1,84 @@
+"""``scripts/gpu_evidence.sh``'s stages wired to the commands they should run: the script
+and ``ncu_profile.sh`` run in a scratch copy of ``scripts/``, with ``nvidia-smi``,
+``normspec``, ``python3`` and ``ncu`` replaced by stubs that log their arguments (no GPU,
+nothing of the repository written)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$STUB_LOG"
+{extra}
+"""
+
+
+@pytest.fixture
+def run_stage(tmp_path):
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and timeout")
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("gpu_evidence.sh", "ncu_profile.sh"):
+        shutil.copy(ROOT / "scripts" / name, tree / "scripts" / name)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    extra = {"nvidia-smi": 'echo "NVIDIA H200"'}
+    for name in ("nvidia-smi", "normspec", "python3", "ncu"):
+        path = stubs / name
+        path.write_text(STUB.format(extra=extra.get(name, "")))
+        path.chmod(0o755)
+    log = tmp_path / "stub.log"
+    log.touch()
+
+    def run(*stages: str, **env: str) -> list[str]:
+        out = tmp_path / "out"
+        full = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log),
+                "OUT": str(out), "NORMSPEC_GIT_COMMIT": "abc1234", **env}
+        done = subprocess.run(["bash", "scripts/gpu_evidence.sh", *stages], cwd=tree,
+                              env=full, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return log.read_text().splitlines()
+
+    return run
+
+
+def test_small_repeat_runs_the_protocols_it_is_asked_for(run_stage):
+    lines = [ln for ln in run_stage("small-repeat", REPEAT_AFTER_FLUSH="w 1")
+             if "bench/repeat.py" in ln]
+    assert len(lines) == 2
+    warm, one = lines
+    assert warm.endswith("--flush-mib 1") and "--after-flush-kernels" not in warm
+    assert one.endswith("--after-flush-kernels 1") and "--flush-mib" not in one
+    for line in lines:
+        assert "--processes 3" in line and "--backend liger" in line
+
+
+def test_small_repeat_defaults_to_the_bench_protocol_and_one_no_op_kernel(run_stage):
+    lines = [ln for ln in run_stage("small-repeat") if "bench/repeat.py" in ln]
+    assert [ln.rsplit(" ", 1)[1] for ln in lines] == ["0", "1"]
+    assert all("--after-flush-kernels" in ln for ln in lines)
+
+
+def test_ncu_small_liger_profiles_liger_without_ncu_s_flush(run_stage):
+    lines = run_stage("ncu-small-liger", CACHE="none")
+    ncu = [ln for ln in lines if ln.startswith("ncu ")]
+    assert len(ncu) == 1
+    assert "--cache-control none" in ncu[0] and "regex:_rms_norm_" in ncu[0]
+    assert ncu[0].endswith("scripts/ncu_kernels.py --liger --small")
+    # the build stage runs first, as for every stage
+    assert next(ln for ln in lines if not ln.startswith("nvidia-smi")) == "normspec build"
+
+
+def test_weight_early_compares_the_default_with_the_late_load(run_stage):
+    ab = [ln for ln in run_stage("weight-early") if "ab.py" in ln]
+    assert len(ab) == 1
+    assert "--build=-DNORMSPEC_ROW_WEIGHT_EARLY=0" in ab[0]
+    assert "--out bench/results/sweeps/row_weight_early_abc1234.json" in ab[0]
