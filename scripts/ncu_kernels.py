@@ -14,9 +14,13 @@ zero-centred norm's forward and backward over 1, 64 and 4096 rows of 2048 (ours,
 the time: ncu's kernel durations, against the bench's device time, show how much of that
 time is the kernels themselves; ``--liger --small``: Liger's kernels on the same work (as
 ``bench/run.py`` calls them: offset 1, gemma casting), the fastest warm peer at 1 x 2048
-(notes/perf.md §33). ``--gated``: instead, the gated forward 2^21 x 128 with a
-bf16 weight alone, ours in both conventions (vllm, then hf: their kernels' executed
-instructions and stalls side by side), or with ``--peers`` torch.compile's."""
+(notes/perf.md §33). ncu's ``_rms_norm_`` filter keeps Liger's triton kernels only: the
+torch kernels that its backward runs after them (the sum of its per-program dweight
+partials, the cast) are not in that CSV, so its backward totals are not comparable with
+ours, whose column-tree kernels are in ours. ``--gated``: instead, the gated forward
+2^21 x 128 with a bf16 weight alone, ours in both conventions (vllm, then hf: their
+kernels' executed instructions and stalls side by side), or with ``--peers``
+torch.compile's."""
 
 from __future__ import annotations
 
@@ -217,7 +221,7 @@ def main(argv=None) -> int:
         one_round = peers_gated() if args.peers else ours_gated()
     elif args.small:
         if args.fla or args.backward:
-            p.error("--small: ours or --peers only, forward and backward always")
+            p.error("--small: ours, --peers or --liger, forward and backward always")
         one_round = (peers_small() if args.peers else liger_small() if args.liger
                      else ours_small())
     else:

@@ -20,9 +20,11 @@
 set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
+  [ "${LIGER:-0}" = 1 ] && { echo "PEERS=1 and LIGER=1: one of them" >&2; exit 2; }
   filter='regex:triton_'; args=--peers; csv="$OUT/ncu_peers.csv"
 elif [ "${LIGER:-0}" = 1 ]; then
   [ "${SMALL:-0}" = 1 ] || { echo "LIGER=1 needs SMALL=1" >&2; exit 2; }
+  [ "${FLA:-0}" = 1 ] && { echo "LIGER=1 and FLA=1: one of them" >&2; exit 2; }
   filter='regex:_rms_norm_'; args=--liger; csv="$OUT/ncu_small_liger.csv"
 elif [ "${FLA:-0}" = 1 ]; then
   filter='regex:layer_norm'; args=--fla; csv="$OUT/ncu_fla.csv"

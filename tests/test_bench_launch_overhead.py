@@ -85,6 +85,11 @@ def test_median_parts_skips_missing_fields():
 def test_gpu_activities_keeps_the_device_side_in_ns():
     from torch.autograd import DeviceType
 
+    # the stub's methods are the real event's (a stub with activity_type once hid that
+    # torch 2.11's events have none)
+    for method in ("name", "device_type", "start_ns", "duration_ns", "is_user_annotation"):
+        assert hasattr(torch._C._autograd._KinetoEvent, method), method
+
     def event(name, device, start, dur, activity):
         return SimpleNamespace(name=lambda: name, device_type=lambda: device,
                                start_ns=lambda: start, duration_ns=lambda: dur,

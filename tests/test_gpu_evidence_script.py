@@ -18,6 +18,23 @@ STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 {extra}
 """
+# bench/repeat.py writes its JSON under --out
+PYTHON_EXTRA = """if [ "$1" = bench/repeat.py ]; then
+  prev=
+  for a in "$@"; do
+    [ "$prev" = --out ] && mkdir -p "$a" && echo '{}' > "$a/repeat.json"
+    prev=$a
+  done
+fi"""
+# variables the stages read, which the caller's environment must not set
+STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
+                   "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
+                   "TESTS_WORKERS")
+
+
+def _clean_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in STAGE_VARIABLES and not k.endswith("_LIMIT")}
 
 
 @pytest.fixture
@@ -30,7 +47,7 @@ def run_stage(tmp_path):
         shutil.copy(ROOT / "scripts" / name, tree / "scripts" / name)
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    extra = {"nvidia-smi": 'echo "NVIDIA H200"'}
+    extra = {"nvidia-smi": 'echo "NVIDIA H200"', "python3": PYTHON_EXTRA}
     for name in ("nvidia-smi", "normspec", "python3", "ncu"):
         path = stubs / name
         path.write_text(STUB.format(extra=extra.get(name, "")))
@@ -40,13 +57,14 @@ def run_stage(tmp_path):
 
     def run(*stages: str, **env: str) -> list[str]:
         out = tmp_path / "out"
-        full = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log),
-                "OUT": str(out), "NORMSPEC_GIT_COMMIT": "abc1234", **env}
+        full = {**_clean_environment(), "PATH": f"{stubs}:{os.environ['PATH']}",
+                "STUB_LOG": str(log), "OUT": str(out), "NORMSPEC_GIT_COMMIT": "abc1234", **env}
         done = subprocess.run(["bash", "scripts/gpu_evidence.sh", *stages], cwd=tree,
                               env=full, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return log.read_text().splitlines()
 
+    run.tree = tree
     return run
 
 
@@ -59,6 +77,8 @@ def test_small_repeat_runs_the_protocols_it_is_asked_for(run_stage):
     assert one.endswith("--after-flush-kernels 1") and "--flush-mib" not in one
     for line in lines:
         assert "--processes 3" in line and "--backend liger" in line
+    saved = sorted(p.name for p in (run_stage.tree / "bench/results/repeat").iterdir())
+    assert saved == ["small_after_flush_1_abc1234.json", "small_warm_flush_1mib_abc1234.json"]
 
 
 def test_small_repeat_defaults_to_the_bench_protocol_and_one_no_op_kernel(run_stage):
@@ -73,6 +93,8 @@ def test_ncu_small_liger_profiles_liger_without_ncu_s_flush(run_stage):
     assert len(ncu) == 1
     assert "--cache-control none" in ncu[0] and "regex:_rms_norm_" in ncu[0]
     assert ncu[0].endswith("scripts/ncu_kernels.py --liger --small")
+    # ncu's CSV (here the stub's empty output) is kept under the name the docs expect
+    assert (run_stage.tree / "bench/results/ncu/small_liger_warm_H200.csv").exists()
     # the build stage runs first, as for every stage
     assert next(ln for ln in lines if not ln.startswith("nvidia-smi")) == "normspec build"
 
@@ -82,3 +104,13 @@ def test_weight_early_compares_the_default_with_the_late_load(run_stage):
     assert len(ab) == 1
     assert "--build=-DNORMSPEC_ROW_WEIGHT_EARLY=0" in ab[0]
     assert "--out bench/results/sweeps/row_weight_early_abc1234.json" in ab[0]
+
+
+@pytest.mark.parametrize("env", [{"LIGER": "1"}, {"LIGER": "1", "SMALL": "1", "PEERS": "1"},
+                                 {"LIGER": "1", "SMALL": "1", "FLA": "1"}])
+def test_ncu_profile_refuses_liger_with_another_choice(run_stage, env):
+    """``LIGER=1`` is for the small work alone, and one set of kernels at a time."""
+    done = subprocess.run(["bash", "scripts/ncu_profile.sh"], cwd=run_stage.tree,
+                          env={**_clean_environment(), "OUT": str(run_stage.tree), **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "LIGER=1" in done.stderr

@@ -54,12 +54,9 @@ def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
     assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])
 
 
-def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, capsys):
-    """A ``lock`` file that ``cpp_extension`` left when its build was killed would make
-    ``load`` wait for ever; ``build`` removes it, says so, and holds its own lock while
-    loading (the compiler itself faked)."""
-    import fcntl
-
+def _fake_compiler(monkeypatch, tmp_path, load):
+    """``build`` with the compiler replaced by ``load`` (called with ``cpp_extension.load``'s
+    keywords), into ``tmp_path``; the CUDA build directory, created."""
     from torch.utils import cpp_extension
 
     from normspec.backends.torch_ext import _ops
@@ -71,9 +68,17 @@ def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, ca
     monkeypatch.setattr(_build, "_prerequisites", lambda: None)
     monkeypatch.setattr(_build, "cuda_build_possible", lambda: None)
     monkeypatch.setattr(_ops, "_register_python_parts", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", load)
     directory = _build.build_directory(with_cuda=True)
     directory.mkdir(parents=True)
-    (directory / "lock").write_text("")
+    return directory
+
+
+def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, capsys):
+    """A ``lock`` file that ``cpp_extension`` left when its build was killed would make
+    ``load`` wait for ever; ``build`` removes it, says so, and holds its own lock while
+    loading (the compiler itself faked)."""
+    fcntl = pytest.importorskip("fcntl")
     seen = {}
 
     def load(**kw):
@@ -85,9 +90,52 @@ def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, ca
             except BlockingIOError:
                 seen["held"] = True
 
-    monkeypatch.setattr(cpp_extension, "load", load)
+    directory = _fake_compiler(monkeypatch, tmp_path, load)
+    (directory / "lock").write_text("")
     _build.build(verbose=True)
     assert seen == {"stale_lock_left": False, "held": True}
     assert f"removing {directory / 'lock'}" in capsys.readouterr().err
     with open(directory / "normspec.flock") as after:  # released once loaded
         fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_build_waits_for_the_lock_before_it_touches_the_lock_file(monkeypatch, tmp_path,
+                                                                  capsys):
+    """While another normspec build holds the lock, its ``lock`` file is live: ``build``
+    waits, saying so, and neither removes the file nor loads until the lock is free."""
+    import threading
+
+    fcntl = pytest.importorskip("fcntl")
+    loaded = threading.Event()
+    directory = _fake_compiler(monkeypatch, tmp_path, lambda **kw: loaded.set())
+    (directory / "lock").write_text("")  # the other build's, live
+    with open(directory / "normspec.flock", "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        worker = threading.Thread(target=_build.build, kwargs={"verbose": True})
+        worker.start()
+        worker.join(timeout=0.5)
+        assert worker.is_alive() and not loaded.is_set()
+        assert (directory / "lock").exists()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    worker.join(timeout=10)
+    assert not worker.is_alive() and loaded.is_set()
+    assert "waiting for another normspec build" in capsys.readouterr().err
+
+
+def test_build_goes_on_where_the_file_system_refuses_the_lock(monkeypatch, tmp_path, capsys):
+    """A file system without ``flock`` (ENOLCK) does not make the backend unavailable: the
+    build goes on, says why, and leaves a ``lock`` file alone (it may be live)."""
+    import errno
+
+    fcntl = pytest.importorskip("fcntl")
+    calls = []
+    directory = _fake_compiler(monkeypatch, tmp_path, lambda **kw: calls.append(kw))
+
+    def refuse(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    (directory / "lock").write_text("")
+    _build.build(verbose=True)
+    assert len(calls) == 1 and (directory / "lock").exists()
+    assert "no build lock" in capsys.readouterr().err

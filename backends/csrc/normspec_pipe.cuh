@@ -1009,6 +1009,12 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_MIN_BLOCKS
 #define NORMSPEC_ROW_MIN_BLOCKS 1
 #endif
+// The one-row forward's rms and fused forms of more than one pass load a 16-bit weight
+// with the row (1, the default since 71f0ae0) or after the reduction (0); see EARLY_W in
+// normspec_fwd_row_kernel.
+#ifndef NORMSPEC_ROW_WEIGHT_EARLY
+#define NORMSPEC_ROW_WEIGHT_EARLY 1
+#endif
 // The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
 __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
   return gt ? NORMSPEC_GT_MIN_BLOCKS
@@ -1091,9 +1097,6 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   if constexpr (NP == 1) {
     if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
-#ifndef NORMSPEC_ROW_WEIGHT_EARLY
-#define NORMSPEC_ROW_WEIGHT_EARLY 1
-#endif
 #if NORMSPEC_ROW_WEIGHT_EARLY
   // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
   // issue the weight's loads with the row's, as raw vectors (4 registers a pass), instead
@@ -1102,8 +1105,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // The factors are widened and scaled as weight_factors does, so the bits are the same.
   // On the H200 (notes/perf.md §33) it took the fused 4096 x 2048 forward from 20.8 to
   // 20.0 us and the rms 4096 x 2048 from 12.8 to 12.5 (after the 512 MiB flush; 19.7 to
-  // 18.8 and 9.7 to 9.5 warm) and lost nowhere; -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the
-  // late load (for bench/micro/row_forward_ab.cu's A/B).
+  // 18.8 and 9.7 to 9.5 warm) and lost only at rms 32768 x 2048 warm, by 0.2 % (66.0 to
+  // 66.1); -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the late load (for
+  // bench/micro/row_forward_ab.cu's A/B).
   constexpr bool EARLY_W = NP > 1 && FULL && sizeof(T) == 2 && OP != OP_GATED;
 #else
   constexpr bool EARLY_W = false;
@@ -1117,8 +1121,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     }
   }
 #if NORMSPEC_ROW_WEIGHT_PREFETCH
-  // Experiment (bench/micro/row_forward_ab.cu): more passes load the weight after the
-  // reduction; ask for its lines in L1 now, at no register cost.
+  // Experiment (bench/micro/row_forward_ab.cu), from before the early load above: where
+  // more passes load the weight after the reduction (every form without EARLY_W), ask
+  // for its lines in L1 now, at no register cost.
   if constexpr (NP > 1) {
     const int wsize = (sizeof(T) == 2 && (flags & F_W_RAW)) ? 2 : 4;
 #pragma unroll

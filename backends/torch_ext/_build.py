@@ -12,11 +12,15 @@ definitions to every source: the kernels' build-time experiments, such as
 ``NORMSPEC_ROW_WEIGHT_EARLY=0`` (see ``normspec_pipe.cuh``). A build with definitions gets
 a sub-directory of its own, so that it and the default build stay cached side by side.
 
-Builds into one directory are serialised by an advisory lock (``normspec.flock``) that the
-operating system drops when the building process dies. ``torch.utils.cpp_extension``'s
-own lock (a file named ``lock``) is not dropped so: a build killed mid-way leaves it, and
-every later build would wait on it for ever. Holding ours, a normspec build knows that a
-``lock`` file it finds is such a leftover, and removes it (saying so).
+On POSIX systems, builds into one directory are serialised by an advisory lock
+(``normspec.flock``) that the operating system drops when the building process dies.
+``torch.utils.cpp_extension``'s own lock (a file named ``lock``) is not dropped so: a build
+killed mid-way leaves it, and every later build would wait on it for ever. Holding ours, a
+normspec build takes a ``lock`` file it finds for such a leftover, and removes it (saying
+so). Two cases where that is wrong: a normspec older than this lock building in the same
+directory at the same time, and the compilers of a build whose Python process alone was
+killed (``kill -9``, the OOM killer; ``timeout`` and Ctrl-C stop the whole process group),
+which go on running, and beside which a second build then runs.
 """
 
 from __future__ import annotations
@@ -135,16 +139,30 @@ def _prerequisites() -> str | None:
 
 @contextlib.contextmanager
 def _directory_lock(directory: Path, verbose: bool):
-    """Hold ``directory``'s advisory build lock (blocking) and, holding it, remove the
-    ``lock`` file of a killed ``cpp_extension`` build (module docstring). Without
-    ``fcntl`` (Windows) only the stale-file check is skipped."""
+    """Hold ``directory``'s advisory build lock and, holding it, remove the ``lock`` file of
+    a killed ``cpp_extension`` build (module docstring). Says so when it has to wait for
+    another build. Without ``fcntl`` (not POSIX), or on a file system that refuses
+    ``flock``, the build goes on without the lock and a leftover ``lock`` file stays."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
     with open(directory / "normspec.flock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if verbose:
+                    print(f"normspec: waiting for another normspec build in {directory}",
+                          file=sys.stderr, flush=True)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as exc:  # e.g. ENOLCK on some network file systems
+            if verbose:
+                print(f"normspec: no build lock in {directory} ({exc}); building without it",
+                      file=sys.stderr, flush=True)
+            yield
+            return
         try:
             stale = directory / "lock"
             if stale.exists():

@@ -130,8 +130,8 @@ def _gpu_activities(prof) -> list[Kernel]:
 
     acts = []
     for e in prof.profiler.kineto_results.events():
-        # (user annotations are GPU-side too, but not work the GPU did; torch's
-        # _KinetoEvent has no activity type, only is_user_annotation)
+        # (user annotations are GPU-side too, but not work the GPU did; torch 2.11's
+        # _KinetoEvent has no activity_type, only is_user_annotation)
         if e.device_type() != DeviceType.CUDA or e.is_user_annotation():
             continue
         acts.append(Kernel(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))

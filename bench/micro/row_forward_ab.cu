@@ -21,12 +21,13 @@
 //     normspec_pipe.cuh);
 //   NORMSPEC_ROW_WEIGHT_EARLY=0: with more than one pass, the rms and fused forms load a
 //     16-bit weight after the reduction, as before 71f0ae0, instead of with the row (=1,
-//     the shipped kernel: on the H200 it won at rms and fused 4096 x 2048 and lost
-//     nowhere, notes §33; bench/results/sweeps/row_weight_early_3c999ab.json, where
-//     the early load was the =1 build and the late one the default);
+//     the shipped kernel: on the H200 it won at rms and fused 4096 x 2048 and lost only
+//     at rms 32768 x 2048 warm, by 0.2 %, notes §33;
+//     bench/results/sweeps/row_weight_early_3c999ab.json, where the early load was the
+//     =1 build and the late one the default);
 //   NORMSPEC_ROW_WEIGHT_PREFETCH: with more than one pass, prefetch the weight's lines
-//     into L1 before the reduction (the weight itself is still loaded after it; on the
-//     H200 this cost 9-44 %: rms 4096 x 2048 14.8 -> 23.5 us);
+//     into L1 before the reduction, for the forms that load it after (tried before the
+//     early load: on the H200 this cost 9-44 %, rms 4096 x 2048 14.8 -> 23.5 us);
 //   NORMSPEC_STREAMING_HINTS=1: the rows' 16-byte loads and stores with the
 //     evict-first hint (normspec_pipe.cuh; the shipped kernels' until d9aea9e), in
 //     every kernel, the gated one included.
