@@ -71,7 +71,8 @@ for s in $stages; do
       mkdir -p "$OUT/ncu" bench/results/ncu
       run ${NCU_LIMIT:-240} ncu-fla env OUT="$OUT/ncu" FLA=1 bash scripts/ncu_profile.sh
       cp "$OUT/ncu/ncu_fla.csv" "bench/results/ncu/fla_${gpu}.csv" 2>/dev/null ;;
-    ncu-small)  # the norm at 1, 64 and 4096 rows of 2048: our kernels, then torch.compile's
+    ncu-small)  # the norm at 1, 64 and 4096 rows of 2048 and 64 of 256 (the committed CSVs
+      # before notes §33 lack the last): our kernels, then torch.compile's
       # (CACHE=none: without ncu's cache flush, into the *_warm files)
       mkdir -p "$OUT/ncu" bench/results/ncu
       w=; [ "${CACHE:-all}" = none ] && w=_warm

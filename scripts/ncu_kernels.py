@@ -1,26 +1,25 @@
-"""The large bf16 shapes of the bench for ``scripts/ncu_profile.sh``: a warm-up round,
-then the round that ``ncu`` profiles (between ``torch.cuda.profiler.start`` and
-``stop``; ncu runs with ``--profile-from-start off``).
+"""The large bf16 shapes of the bench for ``scripts/ncu_profile.sh``: a warm-up round, then the
+round that ``ncu`` profiles (between ``torch.cuda.profiler.start`` and ``stop``; ncu runs
+with ``--profile-from-start off``).
 
-Default: our kernels (rms forward and backward 32768 x 2048, q/k forward 524288 x 256,
-gated forward 2^21 x 128; with ``--backward`` also the gated backward (vllm) and the
-fused forward and backward 32768 x 2048). ``--peers``: the same work through
-``torch.compile`` of the transformers modules (Qwen3-Next's RMSNorm and gated RMSNorm),
-whose triton kernels are the ones to compare with (the warm-up round compiles and tunes
-them). ``--fla``: FLA's rms norm forward and its gated norm forward (and backward with
-``--backward``), the fastest gated backward in the bench. ``--small``: instead, the
-zero-centred norm's forward and backward over 1, 64 and 4096 rows of 2048 (ours, or with
-``--peers`` torch.compile's), the shapes where a launch's latency, not its bandwidth, sets
-the time: ncu's kernel durations, against the bench's device time, show how much of that
-time is the kernels themselves; ``--liger --small``: Liger's kernels on the same work (as
+Default: our kernels (rms forward and backward 32768 x 2048, q/k forward 524288 x 256, gated
+forward 2^21 x 128; with ``--backward`` also the gated backward (vllm) and the fused forward
+and backward 32768 x 2048). ``--peers``: the same work through ``torch.compile`` of the
+transformers modules (Qwen3-Next's RMSNorm and gated RMSNorm), whose triton kernels are the
+ones to compare with (the warm-up round compiles and tunes them). ``--fla``: FLA's rms norm
+forward and its gated norm forward (and backward with ``--backward``), the fastest gated
+backward in the bench. ``--small``: instead, the zero-centred norm's forward and backward
+over 1, 64 and 4096 rows of 2048 and 64 rows of 256 (ours, or with ``--peers``
+torch.compile's), the shapes where a launch's latency, not its bandwidth, sets the time:
+ncu's kernel durations, against the bench's device time, show how much of that time is the
+kernels themselves; ``--liger --small``: Liger's kernels on the same work (as
 ``bench/run.py`` calls them: offset 1, gemma casting), the fastest warm peer at 1 x 2048
 (notes/perf.md §33). ncu's ``_rms_norm_`` filter keeps Liger's triton kernels only: the
 torch kernels that its backward runs after them (the sum of its per-program dweight
 partials, the cast) are not in that CSV, so its backward totals are not comparable with
-ours, whose column-tree kernels are in ours. ``--gated``: instead, the gated forward
-2^21 x 128 with a bf16 weight alone, ours in both conventions (vllm, then hf: their
-kernels' executed instructions and stalls side by side), or with ``--peers``
-torch.compile's."""
+ours, whose column-tree kernels are in ours. ``--gated``: instead, the gated forward 2^21 x
+128 with a bf16 weight alone, ours in both conventions (vllm, then hf: their kernels'
+executed instructions and stalls side by side), or with ``--peers`` torch.compile's."""
 
 from __future__ import annotations
 
@@ -79,47 +78,57 @@ def ours(backward: bool = False) -> Callable[[], None]:
     return one_round
 
 
-SMALL_ROWS = (1, 64, 4096)
+#: (rows, hidden) of the small work: the decoder norm's latency-bound cases and a q/k one.
+SMALL_CASES = ((1, 2048), (64, 2048), (4096, 2048), (64, 256))
+
+Case = tuple[int, int]
 
 
-def _small_round(norm_of: Callable[[int], Callable[[torch.Tensor], torch.Tensor]],
-                 weights_of: Callable[[int], list[torch.Tensor]]) -> Callable[[], None]:
-    """Forward and backward of the zero-centred norm over SMALL_ROWS x 2048 (bf16)."""
+def _small_round(norm_of: Callable[[Case], Callable[[torch.Tensor], torch.Tensor]],
+                 weights_of: Callable[[Case], list[torch.Tensor]]) -> Callable[[], None]:
+    """Forward and backward of the zero-centred norm over SMALL_CASES (bf16)."""
 
     def one_round() -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
-        for rows in SMALL_ROWS:
-            x = torch.randn(rows, 2048, device="cuda", generator=g).to(BF16).requires_grad_()
-            _backward(norm_of(rows)(x), [x, *weights_of(rows)])
+        for case in SMALL_CASES:
+            x = torch.randn(*case, device="cuda", generator=g).to(BF16).requires_grad_()
+            _backward(norm_of(case)(x), [x, *weights_of(case)])
 
     return one_round
+
+
+def _small_weights() -> dict[int, torch.Tensor]:
+    """A bf16 weight (with grad) per hidden size of SMALL_CASES."""
+    return {h: (0.1 * torch.randn(h, device="cuda")).to(BF16).requires_grad_()
+            for h in sorted({h for _, h in SMALL_CASES})}
 
 
 def ours_small() -> Callable[[], None]:
     from normspec.backends import torch_ext as te
 
     te.build(verbose=False)
-    w = (0.1 * torch.randn(2048, device="cuda")).to(BF16).requires_grad_()
-    return _small_round(lambda rows: lambda x: te.rms_norm(x, w, eps=EPS, offset=1.0),
-                        lambda rows: [w])
+    w = _small_weights()
+    return _small_round(lambda case: lambda x: te.rms_norm(x, w[case[1]], eps=EPS, offset=1.0),
+                        lambda case: [w[case[1]]])
 
 
 def peers_small() -> Callable[[], None]:
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
     # one module per shape, compiled for it alone (as the bench's fresh module per case)
-    mods = {rows: torch.compile(Qwen3NextRMSNorm(2048, eps=EPS).to("cuda", BF16),
-                                dynamic=False) for rows in SMALL_ROWS}
-    return _small_round(lambda rows: mods[rows], lambda rows: list(mods[rows].parameters()))
+    mods = {case: torch.compile(Qwen3NextRMSNorm(case[1], eps=EPS).to("cuda", BF16),
+                                dynamic=False) for case in SMALL_CASES}
+    return _small_round(lambda case: mods[case], lambda case: list(mods[case].parameters()))
 
 
 def liger_small() -> Callable[[], None]:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    w = (0.1 * torch.randn(2048, device="cuda")).to(BF16).requires_grad_()
+    w = _small_weights()
     return _small_round(
-        lambda rows: lambda x: LigerRMSNormFunction.apply(x, w, EPS, 1.0, "gemma", False),
-        lambda rows: [w])
+        lambda case: lambda x: LigerRMSNormFunction.apply(x, w[case[1]], EPS, 1.0, "gemma",
+                                                         False),
+        lambda case: [w[case[1]]])
 
 
 def ours_gated() -> Callable[[], None]:
@@ -209,7 +218,7 @@ def main(argv=None) -> int:
     shapes = p.add_mutually_exclusive_group()
     shapes.add_argument("--small", action="store_true",
                         help="the norm's forward and backward at 1, 64 and 4096 rows of 2048 "
-                             "instead")
+                             "and 64 of 256 instead")
     shapes.add_argument("--gated", action="store_true",
                         help="the gated forward 2^21 x 128 alone instead (ours: vllm and hf)")
     args = p.parse_args(argv)

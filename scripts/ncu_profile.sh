@@ -6,10 +6,10 @@
 # PEERS=1: the same forwards through torch.compile of the transformers modules (their
 # triton kernels), into $OUT/ncu_peers.csv, to compare with ours; FLA=1: FLA's rms and
 # gated norm kernels, into $OUT/ncu_fla.csv. BACKWARD=1: also the gated backward (and
-# our fused forward and backward), see scripts/ncu_kernels.py. SMALL=1: the norm's forward and
-# backward at 1, 64 and 4096 rows of 2048 instead, every kernel of ours (or, with PEERS=1,
-# torch.compile's), into ncu_small.csv (ncu_small_peers.csv). GATED=1: the gated forward
-# 2^21 x 128 alone (ours in both conventions, or with PEERS=1 torch.compile's), into
+# our fused forward and backward), see scripts/ncu_kernels.py. SMALL=1: the norm's forward
+# and backward at 1, 64 and 4096 rows of 2048 and 64 of 256 instead, every kernel of ours
+# (or, with PEERS=1, torch.compile's), into ncu_small.csv (ncu_small_peers.csv). GATED=1:
+# the gated forward 2^21 x 128 alone (ours in both conventions, or with PEERS=1 torch.compile's), into
 # ncu_gated.csv (ncu_gated_peers.csv). LIGER=1 (with SMALL=1): Liger's kernels on the small
 # work instead, into ncu_small_liger.csv.
 # Only the second round of scripts/ncu_kernels.py is profiled (cudaProfilerStart/Stop).
