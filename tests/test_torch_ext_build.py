@@ -31,29 +31,6 @@ def test_bad_build_defines_are_named_and_make_the_backend_unavailable(monkeypatc
     assert _build._prerequisites().startswith("NORMSPEC_BUILD_DEFINES: expected")
 
 
-def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
-    """``build`` hands the ``-D`` flags to the C++ and the CUDA compiler and builds in the
-    defines' own directory (the compiler itself faked)."""
-    from torch.utils import cpp_extension
-
-    from normspec.backends.torch_ext import _ops
-
-    seen = {}
-    monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
-    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=1")
-    monkeypatch.setattr(_build, "_loaded", None)
-    monkeypatch.setattr(_build, "_error", None)
-    monkeypatch.setattr(_build, "_prerequisites", lambda: None)
-    monkeypatch.setattr(_build, "cuda_build_possible", lambda: None)
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(_ops, "_register_python_parts", lambda: None)
-    path = _build.build(verbose=False)
-    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cflags"]
-    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cuda_cflags"]
-    assert "-O3" in seen["extra_cuda_cflags"]  # added to the usual flags, not instead
-    assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])
-
-
 def _fake_compiler(monkeypatch, tmp_path, load):
     """``build`` with the compiler replaced by ``load`` (called with ``cpp_extension.load``'s
     keywords), into ``tmp_path``; the CUDA build directory, created."""
@@ -72,6 +49,19 @@ def _fake_compiler(monkeypatch, tmp_path, load):
     directory = _build.build_directory(with_cuda=True)
     directory.mkdir(parents=True)
     return directory
+
+
+def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
+    """``build`` hands the ``-D`` flags to the C++ and the CUDA compiler and builds in the
+    defines' own directory (the compiler itself faked)."""
+    seen = {}
+    _fake_compiler(monkeypatch, tmp_path, lambda **kw: seen.update(kw))
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=1")
+    path = _build.build(verbose=False)
+    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cflags"]
+    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cuda_cflags"]
+    assert "-O3" in seen["extra_cuda_cflags"]  # added to the usual flags, not instead
+    assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])
 
 
 def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, capsys):
