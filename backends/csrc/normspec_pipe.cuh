@@ -298,6 +298,12 @@ __device__ __forceinline__ Team make_team(int team_log) {
   return t;
 }
 
+// Experiment (build time, default 0): NORMSPEC_BLOCK_FOLD_LOCAL=1 folds a multi-warp
+// team's per-warp partials in every lane from shared memory instead of by shuffles in
+// lanes 0..7 and a broadcast (team_reduce_pipe).
+#ifndef NORMSPEC_BLOCK_FOLD_LOCAL
+#define NORMSPEC_BLOCK_FOLD_LOCAL 0
+#endif
 // Every lane of the team ends with, per pass, the tree of the pass's segment
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
 // used by multi-warp teams (one team per block) only.
@@ -333,6 +339,24 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
     for (int p = 0; p < NP; ++p) red[p * 32 + warp] = part[p];
   }
   __syncthreads();
+#if NORMSPEC_BLOCK_FOLD_LOCAL
+  // Every lane reads the warps' partials and folds them itself, in the tree the shuffles
+  // below give lane 0 (level off taken under the same condition, each sum's operands in
+  // the same order), so no shuffle and no broadcast follow the barrier.
+  {
+    const bool t1 = 1 < nwarps && 32 * VEC * 1 < P;
+    const bool t2 = 2 < nwarps && 32 * VEC * 2 < P;  // implies t1
+    const bool t4 = 4 < nwarps && 32 * VEC * 4 < P;  // implies t2
+#pragma unroll
+    for (int p = 0; p < NP; ++p) {
+      const float* q = red + p * 32;
+      float a = t1 ? add(q[0], q[1]) : q[0];
+      if (t2) a = add(a, add(q[2], q[3]));
+      if (t4) a = add(a, add(add(q[4], q[5]), add(q[6], q[7])));
+      part[p] = a;
+    }
+  }
+#else
 #pragma unroll
   for (int p = 0; p < NP; ++p) part[p] = lane < nwarps ? red[p * 32 + lane] : 0.0f;
 #pragma unroll
@@ -346,6 +370,7 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
   }
 #pragma unroll
   for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0);
+#endif
 }
 
 // The fp32 value the norm reads, from raw x (and raw residual when fused).
@@ -1015,6 +1040,12 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_WEIGHT_EARLY
 #define NORMSPEC_ROW_WEIGHT_EARLY 1
 #endif
+// Experiment (build time, default 0): the one-row forward's whole-block teams (64 and more
+// lanes, constant geometry) take their row from blockIdx.x; see PER_BLOCK in
+// normspec_fwd_row_kernel.
+#ifndef NORMSPEC_FWD_ROW_PER_BLOCK
+#define NORMSPEC_FWD_ROW_PER_BLOCK 0
+#endif
 // The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
 __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
   return gt ? NORMSPEC_GT_MIN_BLOCKS
@@ -1061,7 +1092,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   __shared__ float red[NP * 32];
   const int team_log = FULL ? FULL_TL : team_log_arg;
   const Team tm = make_team(team_log);
-  const long long row = tm.slot;
+  // NORMSPEC_FWD_ROW_PER_BLOCK: teams of 64 and more lanes are whole blocks, one per row
+  // (launch_row: row_block gives them blocks of their size, grid_for one block a row), so
+  // the row is blockIdx.x and every team has one, as in the one-row backward
+  // (normspec_bwd_row_kernel's PER_BLOCK)
+  constexpr bool PER_BLOCK = NORMSPEC_FWD_ROW_PER_BLOCK && FULL && FULL_TL >= 6;
+  const long long row = PER_BLOCK ? static_cast<long long>(blockIdx.x) : tm.slot;
+  const bool live = PER_BLOCK || row < rows;
   // <= 8192: column arithmetic in 32 bits
   const int Hc = FULL ? (NP * VEC) << (FULL ? FULL_TL : 0) : static_cast<int>(H);
   const int P = FULL ? Hc : static_cast<int>(next_pow2(H));
@@ -1080,7 +1117,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   for (int p = 0; p < NP; ++p) {
     cx[p] = make_uint4(0u, 0u, 0u, 0u);
     cr[p] = cx[p];
-    if (row < rows) {
+    if (live) {
       if constexpr (PER_PASS) {
         cx[p] = load_raw<T>(x + row * sx, p * S + tcol, Hc);
         if (TWO) cr[p] = load_raw<T>(r + row * sr, p * S + tcol, Hc);
@@ -1095,7 +1132,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // for memory once. More passes would hold NP * VEC more registers in every thread.
   float g1[NP == 1 ? VEC : 1];
   if constexpr (NP == 1) {
-    if (row < rows && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
+    if (live && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
 #if NORMSPEC_ROW_WEIGHT_EARLY
   // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
@@ -1129,7 +1166,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
-      if (row < rows && col < Hc)
+      if (live && col < Hc)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(w) +
                                                      static_cast<long long>(col) * wsize));
     }
@@ -1155,7 +1192,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   for (int p = 0; p < NP; ++p) norm_input_raw<OP, T>(cx[p], cr[p], flags, v[p]);
   // a team past the last row still joins the shuffles (and the barrier)
   const float rstd = row_rstd_of<NP, VEC>(v, tcol, S, Hc, P, eps, team_log, red);
-  if (row >= rows) return;
+  if (!live) return;
   if (rstd_out != nullptr && tm.lane == 0) rstd_out[row] = rstd;
   if constexpr (GT_VLLM) {
     // the raw x as if new, so that the compiler unpacks it again instead of keeping
