@@ -393,7 +393,9 @@ def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int,
 def row_block(team_log: int, rows: int, sm_count: int) -> int:
     """Threads per block of the one-row forward (``normspec::row_block``): the team from
     64 lanes on; smaller teams share 256-thread blocks, or one-warp blocks where the
-    launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``)."""
+    launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``). The kernels'
+    whole-block forms take their row from ``blockIdx.x``, so a team of 64+ lanes must stay
+    one block of its own."""
     if team_log > 5:
         return 1 << team_log
     return 32 if rows << team_log >= sm_count * 2048 * 8 else 256

@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -121,6 +121,17 @@ for s in $stages; do
         python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
         --build "" --build=-DNORMSPEC_ROW_WEIGHT_EARLY=0 --env "" --env NORMSPEC_AB_FLUSH_MIB=1 \
         --rounds 3 --out "bench/results/sweeps/row_weight_early_${commit}.json" ;;
+    block-fold)  # the small rms forward and backward with the warp partials folded in every
+      # lane and the one-row forward's row from blockIdx.x (the defaults since session 29)
+      # against the shuffle fold and the row from the thread index, after the 512 MiB flush
+      # and warm; ab.py checks that both builds' dx and dweight hash alike (notes §34)
+      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      mkdir -p bench/results/sweeps
+      run ${MICRO_LIMIT:-420} block-fold python3 bench/micro/ab.py \
+        bench/micro/small_backward_ab.cu --build "" \
+        --build="-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" \
+        --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3 \
+        --out "bench/results/sweeps/block_fold_${commit}.json" ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     small-repeat)  # the small cases in three fresh processes each, first with the bench's

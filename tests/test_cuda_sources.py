@@ -312,3 +312,40 @@ def test_kernels_compile_with_nvrtc():
         assert lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(lowered)) == 0
         assert lowered.value
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+ROW_FORWARD_PROBE = r"""
+#include "normspec_pipe.cuh"
+template __global__ void normspec_fwd_row_kernel<0, __nv_bfloat16, 1, 8, false, 0>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const void*, __nv_bfloat16*, __nv_bfloat16*,
+    long long, long long, long long, long long, long long, long long, float, float, int, int,
+    float*, const float*);
+"""
+
+
+def _entry(ptx: str, name: str) -> str:
+    """The PTX of the one ``.entry`` whose mangled name contains `name`."""
+    parts = [p for p in re.split(r"(?=\.visible \.entry )", ptx)
+             if p.startswith(".visible .entry ") and name in p.split("(", 1)[0]]
+    assert len(parts) == 1, [p.split("(", 1)[0] for p in parts]
+    return parts[0]
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("flags", "shuffles", "reads_rows"), [
+    ([], 5, False),
+    (["-DNORMSPEC_BLOCK_FOLD_LOCAL=0"], 9, False),
+    (["-DNORMSPEC_FWD_ROW_PER_BLOCK=0"], 5, True),
+    (["-DNORMSPEC_BLOCK_FOLD_LOCAL=0", "-DNORMSPEC_FWD_ROW_PER_BLOCK=0"], 9, True),
+], ids=["default", "shuffle_fold", "row_from_thread", "both_old"])
+def test_one_row_forward_block_fold_and_row_per_block(tmp_path, flags, shuffles, reads_rows):
+    """The 1 x 2048 bf16 forward's form (one pass, a team of 256 lanes, one block a row):
+    by default its eight warps' partials are folded from shared memory in every lane, so
+    only the five in-warp shuffle levels remain (``NORMSPEC_BLOCK_FOLD_LOCAL=0``: three more
+    levels and a broadcast), and its row is ``blockIdx.x``, so it never reads ``rows``
+    (parameter 5; ``NORMSPEC_FWD_ROW_PER_BLOCK=0``: the row from the thread index, checked
+    against ``rows``). notes/perf.md §34 has the H200's times of each form."""
+    text = _entry(_ptx_of(tmp_path, ROW_FORWARD_PROBE, "sm_90a", "-fmad=false", *flags),
+                  "normspec_fwd_row_kernel")
+    assert len(re.findall(r"\bshfl\.sync\.", text)) == shuffles
+    assert ("_param_5]" in text) == reads_rows

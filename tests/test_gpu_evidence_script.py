@@ -106,6 +106,15 @@ def test_weight_early_compares_the_default_with_the_late_load(run_stage):
     assert "--out bench/results/sweeps/row_weight_early_abc1234.json" in ab[0]
 
 
+def test_block_fold_compares_the_default_with_the_old_forms(run_stage):
+    ab = [ln for ln in run_stage("block-fold") if "ab.py" in ln]
+    assert len(ab) == 1
+    assert "bench/micro/small_backward_ab.cu" in ab[0]
+    assert "--build=-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" in ab[0]
+    assert "--env NORMSPEC_AB_FLUSH_MIB=1" in ab[0]
+    assert "--out bench/results/sweeps/block_fold_abc1234.json" in ab[0]
+
+
 @pytest.mark.parametrize("env", [{"LIGER": "1"}, {"LIGER": "1", "SMALL": "1", "PEERS": "1"},
                                  {"LIGER": "1", "SMALL": "1", "FLA": "1"}])
 def test_ncu_profile_refuses_liger_with_another_choice(run_stage, env):

@@ -336,6 +336,8 @@ inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
 // 9.3, and 4096 rows with the small-row teams of 32 lanes: 8.2 against 6.5
 // (bench/results/sweeps/small_rows.json). NORMSPEC_ROW_BLOCK overrides.
 inline int row_block(const PipeGeometry& g, long long rows) {
+  // a team of 64+ lanes is its block, one block per row: the one-row kernels' whole-block
+  // forms take their row from blockIdx.x (PER_BLOCK in normspec_pipe.cuh), so this must stay
   if (g.team_log > 5) return 1 << g.team_log;
   if (row_block_override()) return row_block_override();
   const long long waves8 = static_cast<long long>(device_sms()) * 2048 * 8;

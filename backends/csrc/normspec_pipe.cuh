@@ -298,11 +298,16 @@ __device__ __forceinline__ Team make_team(int team_log) {
   return t;
 }
 
-// Experiment (build time, default 0): NORMSPEC_BLOCK_FOLD_LOCAL=1 folds a multi-warp
-// team's per-warp partials in every lane from shared memory instead of by shuffles in
-// lanes 0..7 and a broadcast (team_reduce_pipe).
+// NORMSPEC_BLOCK_FOLD_LOCAL (build time, default 1 since session 29): a multi-warp team's
+// per-warp partials are folded in every lane from shared memory (two LDS.128 and seven
+// FADD for eight warps) instead of by three shuffle levels in lanes 0..7 and a broadcast
+// (=0, for A/B). With NORMSPEC_FWD_ROW_PER_BLOCK, on the H200 (notes/perf.md §34,
+// bench/results/sweeps/block_fold_small_2dd36d5.json, 3 rounds, equal hashes), forward
+// µs after the 512 MiB flush / warm: 1 x 2048 3.87 -> 3.68 / 3.52 -> 3.42, 64 x 2048
+// 4.19 -> 3.84 / 3.74 -> 3.55, 4096 x 2048 12.54 -> 11.74 / 9.50 -> 8.64; the backward
+// level (64 x 2048 flushed 6.69 -> 6.78, warm 5.54 -> 5.50).
 #ifndef NORMSPEC_BLOCK_FOLD_LOCAL
-#define NORMSPEC_BLOCK_FOLD_LOCAL 0
+#define NORMSPEC_BLOCK_FOLD_LOCAL 1
 #endif
 // Every lane of the team ends with, per pass, the tree of the pass's segment
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
@@ -1040,11 +1045,15 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_WEIGHT_EARLY
 #define NORMSPEC_ROW_WEIGHT_EARLY 1
 #endif
-// Experiment (build time, default 0): the one-row forward's whole-block teams (64 and more
-// lanes, constant geometry) take their row from blockIdx.x; see PER_BLOCK in
-// normspec_fwd_row_kernel.
+// NORMSPEC_FWD_ROW_PER_BLOCK (build time, default 1 since session 29; =0 for A/B): the
+// one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
+// row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
+// 1 x 2048 bf16 form, with the fold above): 198 -> 163 SASS to EXIT, the first load at
+// SASS 13 instead of 33. On the H200 it made most of the rms 4096 x 2048 forward's gain:
+// 12.51 -> 11.93 us flushed, 9.33 -> 8.70 warm against the fold alone
+// (bench/results/sweeps/block_fold_row_forward_2dd36d5.json, 2 rounds, equal hashes).
 #ifndef NORMSPEC_FWD_ROW_PER_BLOCK
-#define NORMSPEC_FWD_ROW_PER_BLOCK 0
+#define NORMSPEC_FWD_ROW_PER_BLOCK 1
 #endif
 // The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
 __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {

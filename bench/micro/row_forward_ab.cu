@@ -19,6 +19,11 @@
 //     kernel): the row's start for the rms norm's constant forms of 64 and more lanes
 //     only, which this harness found faster (row_per_pass_addressing in
 //     normspec_pipe.cuh);
+//   NORMSPEC_BLOCK_FOLD_LOCAL=0, NORMSPEC_FWD_ROW_PER_BLOCK=0: the multi-warp teams'
+//     partials folded by shuffles and a broadcast, the whole-block teams' row from the
+//     thread index, as before session 29 (the shipped kernel: =1 both; on the H200 the
+//     row per block made most of rms 4096 x 2048's gain, 12.51 -> 11.93 us flushed,
+//     bench/results/sweeps/block_fold_row_forward_2dd36d5.json, notes §34);
 //   NORMSPEC_ROW_WEIGHT_EARLY=0: with more than one pass, the rms and fused forms load a
 //     16-bit weight after the reduction, as before 71f0ae0, instead of with the row (=1,
 //     the shipped kernel: on the H200 it won at rms and fused 4096 x 2048 and lost only

@@ -17,6 +17,9 @@
 // The NORMSPEC_* switches of the launcher apply (NORMSPEC_DW_FINAL=0, NORMSPEC_PDL=0), and
 // where the tree has them, the build-time ones of the backward kernel (compile with
 // -DNORMSPEC_BWD_FILL_BATCHED=0 or -DNORMSPEC_RMS_BWD_UNCAPPED=0 for the old forms).
+// -DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0: the multi-warp teams' fold
+// by shuffles and the one-row forward's row from the thread index, as before session 29
+// (scripts/gpu_evidence.sh block-fold times them against the default; notes §34).
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
 // bench's shape; its hash covers y and dgate too).
