@@ -226,13 +226,15 @@ def test_benchmarks_page_ranks_multi_process_files(tmp_path):
             row("normspec torch_ext", "forward", [4.35, 4.50, 4.35]),
             row("device copy (same bytes)", "forward", [1.0, 1.0, 1.0])]
     env = {"processes": 3, "git": {"commit": "abc1234"}, "command": "bench/repeat.py x|y",
-           "device_timing": {"flush_mib": 1, "hide_host_ms": 2.0, "after_flush_kernels": 1}}
+           "device_timing": {"flush_mib": 1, "hide_host_ms": 2.0, "after_flush_kernels": 1},
+           "normspec_switches": {"NORMSPEC_PDL": "0"}}
     (tmp_path / "small.json").write_text(json.dumps({"environment": env, "rows": rows}))
     repeats = bench.load_repeats(tmp_path)
     md = "\n".join(bench.repeats_section(repeats))
     assert "## Rankings over several processes" in md
     assert "processes: `3`; git.commit: `abc1234`" in md
     assert "Command: `bench/repeat.py x\\|y`" in md
+    assert "Switches in effect: `NORMSPEC_PDL=0`" in md
     assert ("Before each timed call: an L2 flush of 1 MiB, then 1 no-op kernel(s), then a "
             "2 ms sleep kernel that hides the host.") in md
     assert bench._timing_protocol({"flush_mib": 256, "hide_host_ms": 2.0}) == (
