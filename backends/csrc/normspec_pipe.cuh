@@ -1049,7 +1049,7 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
 // row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
 // 1 x 2048 bf16 form, with the fold above): 198 -> 163 SASS to EXIT, the first load at
-// SASS 13 instead of 33. On the H200 it made most of the rms 4096 x 2048 forward's gain:
+// SASS 13 (the weight's; the row's at 24) instead of 33. On the H200 it made most of the rms 4096 x 2048 forward's gain:
 // 12.51 -> 11.93 us flushed, 9.33 -> 8.70 warm against the fold alone
 // (bench/results/sweeps/block_fold_row_forward_2dd36d5.json, 2 rounds, equal hashes).
 #ifndef NORMSPEC_FWD_ROW_PER_BLOCK
