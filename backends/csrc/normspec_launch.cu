@@ -170,6 +170,9 @@ bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan)
 }
 
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream) {
+  // nothing to compute; and the whole-block forms take block b as row b (grid_for gives
+  // at least one block), so they must not be launched without rows
+  if (a.rows <= 0 || a.H <= 0) return cudaSuccess;
   if (!reads_weight_in_input_dtype(op, dtype, a, nullptr)) {
     if (a.w == nullptr) return cudaErrorInvalidValue;
     a.w_in_dtype = nullptr;
@@ -179,6 +182,7 @@ cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream)
 
 cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const BackwardPlan& plan,
                             cudaStream_t stream) {
+  if (a.rows <= 0 || a.H <= 0) return cudaSuccess;  // as launch_forward
   if (!reads_weight_in_input_dtype(op, dtype, a, &plan)) {
     if (a.w == nullptr) return cudaErrorInvalidValue;
     a.w_in_dtype = nullptr;

@@ -73,7 +73,8 @@ bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan)
 // are, the backward kernel before them is launched with F_LET_DEPENDENTS.
 bool chained_launches(cudaStream_t stream);
 // Kernel launches on `stream`; they return cudaGetLastError() (cudaErrorInvalidValue
-// when a.w is needed and null).
+// when a.w is needed and null). Without rows or columns they launch nothing and return
+// cudaSuccess: the caller fills empty outputs (dweight of no rows is zero).
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream);
 cudaError_t launch_backward(int op, int dtype, LaunchArgs a, float* ws, const BackwardPlan& plan,
                             cudaStream_t stream);
