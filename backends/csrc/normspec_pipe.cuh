@@ -1424,10 +1424,15 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
       if (nactive) prefetch(nrow);
 
       // the saved rstd, or the row's reduction (inactive rows: any finite value)
+      // Each reduction takes the other half of red than the one before, so that a warp
+      // writing its partial never meets one still reading the last reduction's (the
+      // barrier of the reduction in between orders them). With SAVED there is one
+      // reduction a row; flipping here too sent every row's to the same half.
       float rstd = crs;
-      if constexpr (!SAVED)
+      if constexpr (!SAVED) {
         rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
-      buf ^= 1;
+        buf ^= 1;
+      }
       float part[NP];
 
       // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
