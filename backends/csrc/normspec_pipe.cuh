@@ -301,8 +301,9 @@ __device__ __forceinline__ Team make_team(int team_log) {
 // NORMSPEC_BLOCK_FOLD_LOCAL (build time, default 1 since session 29): a multi-warp team's
 // per-warp partials are folded in every lane from shared memory (two LDS.128 and seven
 // FADD for eight warps) instead of by three shuffle levels in lanes 0..7 and a broadcast
-// (=0, for A/B). With NORMSPEC_FWD_ROW_PER_BLOCK, on the H200 (notes/perf.md §34,
-// bench/results/sweeps/block_fold_small_2dd36d5.json, 3 rounds, equal hashes), forward
+// (=0, for A/B). With NORMSPEC_FWD_ROW_PER_BLOCK, in the micro harness on the H200
+// (notes/perf.md §34, bench/results/sweeps/block_fold_small_2dd36d5.json, 3 rounds,
+// equal hashes; over three processes of the bench the 64 x 2048 gain did not show), forward
 // µs after the 512 MiB flush / warm: 1 x 2048 3.87 -> 3.68 / 3.52 -> 3.42, 64 x 2048
 // 4.19 -> 3.84 / 3.74 -> 3.55, 4096 x 2048 12.54 -> 11.74 / 9.50 -> 8.64; the backward
 // level (64 x 2048 flushed 6.69 -> 6.78, warm 5.54 -> 5.50).
@@ -1049,9 +1050,10 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
 // row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
 // 1 x 2048 bf16 form, with the fold above): 198 -> 163 SASS to EXIT, the first load at
-// SASS 13 (the weight's; the row's at 24) instead of 33. On the H200 it made most of the rms 4096 x 2048 forward's gain:
-// 12.51 -> 11.93 us flushed, 9.33 -> 8.70 warm against the fold alone
-// (bench/results/sweeps/block_fold_row_forward_2dd36d5.json, 2 rounds, equal hashes).
+// SASS 13 (the weight's; the row's at 24) instead of 33. On the H200 it made most of the
+// rms 4096 x 2048 forward's gain: 12.51 -> 11.93 us flushed, 9.33 -> 8.70 warm against
+// the fold alone (bench/results/sweeps/block_fold_row_forward_2dd36d5.json, 2 rounds,
+// equal hashes).
 #ifndef NORMSPEC_FWD_ROW_PER_BLOCK
 #define NORMSPEC_FWD_ROW_PER_BLOCK 1
 #endif

@@ -101,8 +101,9 @@ fused 4096 x 2048 after the 512 MiB flush: 20.8 us against 20.0, rms 4096 x 2048
 team of 64 and more lanes by shuffles and a broadcast instead of in every lane from
 shared memory, and ``NORMSPEC_FWD_ROW_PER_BLOCK=0`` has the one-row forward's whole-block
 teams take their row from the thread index instead of ``blockIdx.x`` (both the same
-bits; on an H200 with both, the rms forward after the 512 MiB flush: 1 x 2048 3.87 us
-against 3.68, 64 x 2048 4.19 against 3.84, 4096 x 2048 12.54 against 11.74).
+bits; on an H200 with both, in ``bench/micro/small_backward_ab.cu`` after the 512 MiB
+flush, the rms forward of 1 x 2048 took 3.87 us against 3.68, 64 x 2048 4.19 against 3.84
+and 4096 x 2048 12.54 against 11.74).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
 requires grad), the Python functions run ``torch.ops.normspec.*_with_rstd``,
