@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -132,6 +132,16 @@ for s in $stages; do
         --build="-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" \
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3 \
         --out "bench/results/sweeps/block_fold_${commit}.json" ;;
+    racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
+      # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
+      # tool's log is kept in bench/results/probes/<tool>_<commit>.txt
+      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      mkdir -p bench/results/probes
+      for tool in racecheck synccheck; do
+        run ${SANITIZER_LIMIT:-300} "$tool" compute-sanitizer --tool "$tool" \
+          --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
+        cp "$OUT/$tool.log" "bench/results/probes/${tool}_${commit}.txt" 2>/dev/null
+      done ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     small-repeat)  # the small cases in three fresh processes each, first with the bench's

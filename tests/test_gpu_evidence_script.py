@@ -1,7 +1,7 @@
 """``scripts/gpu_evidence.sh``'s stages wired to the commands they should run: the script
 and ``ncu_profile.sh`` run in a scratch copy of ``scripts/``, with ``nvidia-smi``,
-``normspec``, ``python3`` and ``ncu`` replaced by stubs that log their arguments (no GPU,
-nothing of the repository written)."""
+``normspec``, ``python3``, ``ncu`` and ``compute-sanitizer`` replaced by stubs that log
+their arguments (no GPU, nothing of the repository written)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def run_stage(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     extra = {"nvidia-smi": 'echo "NVIDIA H200"', "python3": PYTHON_EXTRA}
-    for name in ("nvidia-smi", "normspec", "python3", "ncu"):
+    for name in ("nvidia-smi", "normspec", "python3", "ncu", "compute-sanitizer"):
         path = stubs / name
         path.write_text(STUB.format(extra=extra.get(name, "")))
         path.chmod(0o755)
@@ -113,6 +113,16 @@ def test_block_fold_compares_the_default_with_the_old_forms(run_stage):
     assert "--build=-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" in ab[0]
     assert "--env NORMSPEC_AB_FLUSH_MIB=1" in ab[0]
     assert "--out bench/results/sweeps/block_fold_abc1234.json" in ab[0]
+
+
+def test_racecheck_runs_both_sanitizer_tools_on_our_kernels_and_keeps_their_logs(run_stage):
+    runs = [ln for ln in run_stage("racecheck") if ln.startswith("compute-sanitizer ")]
+    assert [ln.split()[2] for ln in runs] == ["racecheck", "synccheck"]
+    for line in runs:
+        assert "--kernel-name kns=normspec" in line and "--error-exitcode 1" in line
+        assert line.endswith("python3 scripts/sanitize_small.py")
+    saved = sorted(p.name for p in (run_stage.tree / "bench/results/probes").iterdir())
+    assert saved == ["racecheck_abc1234.txt", "synccheck_abc1234.txt"]
 
 
 @pytest.mark.parametrize("env", [{"LIGER": "1"}, {"LIGER": "1", "SMALL": "1", "PEERS": "1"},
