@@ -134,14 +134,26 @@ for s in $stages; do
         --out "bench/results/sweeps/block_fold_${commit}.json" ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
-      # tool's log is kept in bench/results/probes/<tool>_<commit>.txt
+      # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1
+      # adds racecheck over a build with a known race (it should fail)
       commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/probes
       for tool in racecheck synccheck; do
         run ${SANITIZER_LIMIT:-300} "$tool" compute-sanitizer --tool "$tool" \
           --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
         cp "$OUT/$tool.log" "bench/results/probes/${tool}_${commit}.txt" 2>/dev/null
-      done ;;
+      done
+      if [ "${RACECHECK_PLANTED:-0}" = 1 ]; then
+        # the checker checked: a build with the race 8275b61 fixed put back, which racecheck
+        # should report (this stage's rc=1 is then the expected outcome)
+        planted=NORMSPEC_BWD_SAVED_SAME_HALF=1
+        run ${BUILD_LIMIT:-240} build-planted env NORMSPEC_BUILD_DEFINES=$planted normspec build
+        run ${SANITIZER_LIMIT:-300} racecheck-planted env NORMSPEC_BUILD_DEFINES=$planted \
+          compute-sanitizer --tool racecheck --kernel-name kns=normspec --error-exitcode 1 \
+          python3 scripts/sanitize_small.py
+        cp "$OUT/racecheck-planted.log" \
+          "bench/results/probes/racecheck_planted_${commit}.txt" 2>/dev/null
+      fi ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed
       run ${MICRO_LIMIT:-200} code-warmth python3 bench/micro/code_warmth_small.py --out "$OUT" ;;
     small-repeat)  # the small cases in three fresh processes each, first with the bench's

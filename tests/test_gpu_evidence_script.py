@@ -27,9 +27,9 @@ PYTHON_EXTRA = """if [ "$1" = bench/repeat.py ]; then
   done
 fi"""
 # variables the stages read, which the caller's environment must not set
-STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
-                   "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
-                   "TESTS_WORKERS")
+STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "RACECHECK_PLANTED", "NORMSPEC_BUILD_DEFINES", "PEERS",
+                   "LIGER", "SMALL", "GATED", "FLA", "BACKWARD", "CACHE", "CONFORMANCE_ARGS",
+                   "SWEEP_ARGS", "TESTS_PATHS", "TESTS_WORKERS")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -47,7 +47,8 @@ def run_stage(tmp_path):
         shutil.copy(ROOT / "scripts" / name, tree / "scripts" / name)
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    extra = {"nvidia-smi": 'echo "NVIDIA H200"', "python3": PYTHON_EXTRA}
+    extra = {"nvidia-smi": 'echo "NVIDIA H200"', "python3": PYTHON_EXTRA,
+             "compute-sanitizer": 'echo "  defines=${NORMSPEC_BUILD_DEFINES:-}" >> "$STUB_LOG"'}
     for name in ("nvidia-smi", "normspec", "python3", "ncu", "compute-sanitizer"):
         path = stubs / name
         path.write_text(STUB.format(extra=extra.get(name, "")))
@@ -123,6 +124,17 @@ def test_racecheck_runs_both_sanitizer_tools_on_our_kernels_and_keeps_their_logs
         assert line.endswith("python3 scripts/sanitize_small.py")
     saved = sorted(p.name for p in (run_stage.tree / "bench/results/probes").iterdir())
     assert saved == ["racecheck_abc1234.txt", "synccheck_abc1234.txt"]
+
+
+def test_racecheck_planted_checks_a_build_with_the_old_race(run_stage):
+    lines = run_stage("racecheck", RACECHECK_PLANTED="1")
+    runs = [i for i, ln in enumerate(lines) if ln.startswith("compute-sanitizer ")]
+    assert len(runs) == 3
+    # the first two run the default build, the third the planted one
+    assert [lines[i + 1].strip() for i in runs] == [
+        "defines=", "defines=", "defines=NORMSPEC_BWD_SAVED_SAME_HALF=1"]
+    assert "--tool racecheck" in lines[runs[2]]
+    assert (run_stage.tree / "bench/results/probes/racecheck_planted_abc1234.txt").exists()
 
 
 @pytest.mark.parametrize("env", [{"LIGER": "1"}, {"LIGER": "1", "SMALL": "1", "PEERS": "1"},

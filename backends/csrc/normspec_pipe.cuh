@@ -1057,6 +1057,10 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_FWD_ROW_PER_BLOCK
 #define NORMSPEC_FWD_ROW_PER_BLOCK 1
 #endif
+// Test only (build time, default 0): see normspec_bwd_pipe_kernel's shared-memory halves.
+#ifndef NORMSPEC_BWD_SAVED_SAME_HALF
+#define NORMSPEC_BWD_SAVED_SAME_HALF 0
+#endif
 // The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
 __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
   return gt ? NORMSPEC_GT_MIN_BLOCKS
@@ -1430,9 +1434,13 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
       // writing its partial never meets one still reading the last reduction's (the
       // barrier of the reduction in between orders them). With SAVED there is one
       // reduction a row; flipping here too sent every row's to the same half.
+      // (-DNORMSPEC_BWD_SAVED_SAME_HALF=1, for checking the checker only: the flip as before
+      // 8275b61, whose race scripts/gpu_evidence.sh racecheck should then report)
       float rstd = crs;
       if constexpr (!SAVED) {
         rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
+        buf ^= 1;
+      } else if constexpr (NORMSPEC_BWD_SAVED_SAME_HALF != 0) {
         buf ^= 1;
       }
       float part[NP];
