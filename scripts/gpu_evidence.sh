@@ -35,6 +35,13 @@ run() {  # run LIMIT NAME CMD...: time-limited stage with its log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
 # the GPU's name as the committed ncu CSVs are named (H200 for "NVIDIA H200")
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/NVIDIA //; s/ /_/g')
+# the commit the saved files are named after
+commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+sanitize() {  # sanitize NAME TOOL [VAR=VALUE ...]: one compute-sanitizer tool over our kernels
+  local name=$1 tool=$2; shift 2
+  run ${SANITIZER_LIMIT:-300} "$name" env "$@" compute-sanitizer --tool "$tool" \
+    --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
+}
 run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
@@ -106,7 +113,6 @@ for s in $stages; do
         && /tmp/launch_floor" ;;
     launch-overhead)  # the small norms' event times split into launch lead, kernels and rest
       # (CUPTI through torch.profiler), flushed and warm, into bench/results/probes/
-      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       run ${LAUNCH_LIMIT:-400} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
@@ -115,7 +121,6 @@ for s in $stages; do
       # the 512 MiB flush and warm; ab.py checks that both builds' outputs hash alike
       # (notes/perf.md §32-33); the rms and fused cases only (the flag leaves the gated
       # forms as they are)
-      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/sweeps
       run ${MICRO_LIMIT:-420} weight-early env NORMSPEC_AB_ONLY=rms,fused \
         python3 bench/micro/ab.py bench/micro/row_forward_ab.cu \
@@ -125,7 +130,6 @@ for s in $stages; do
       # lane and the one-row forward's row from blockIdx.x (the defaults since session 29)
       # against the shuffle fold and the row from the thread index, after the 512 MiB flush
       # and warm; ab.py checks that both builds' dx and dweight hash alike (notes §34)
-      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/sweeps
       run ${MICRO_LIMIT:-420} block-fold python3 bench/micro/ab.py \
         bench/micro/small_backward_ab.cu --build "" \
@@ -136,11 +140,9 @@ for s in $stages; do
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
       # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1
       # adds racecheck over a build with a known race (it should fail)
-      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/probes
       for tool in racecheck synccheck; do
-        run ${SANITIZER_LIMIT:-300} "$tool" compute-sanitizer --tool "$tool" \
-          --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
+        sanitize "$tool" "$tool"
         cp "$OUT/$tool.log" "bench/results/probes/${tool}_${commit}.txt" 2>/dev/null
       done
       if [ "${RACECHECK_PLANTED:-0}" = 1 ]; then
@@ -148,9 +150,7 @@ for s in $stages; do
         # should report (this stage's rc=1 is then the expected outcome)
         planted=NORMSPEC_BWD_SAVED_SAME_HALF=1
         run ${BUILD_LIMIT:-240} build-planted env NORMSPEC_BUILD_DEFINES=$planted normspec build
-        run ${SANITIZER_LIMIT:-300} racecheck-planted env NORMSPEC_BUILD_DEFINES=$planted \
-          compute-sanitizer --tool racecheck --kernel-name kns=normspec --error-exitcode 1 \
-          python3 scripts/sanitize_small.py
+        sanitize racecheck-planted racecheck NORMSPEC_BUILD_DEFINES=$planted
         cp "$OUT/racecheck-planted.log" \
           "bench/results/probes/racecheck_planted_${commit}.txt" 2>/dev/null
       fi ;;
@@ -161,7 +161,6 @@ for s in $stages; do
       # into bench/results/repeat/ (the benchmarks page renders every file there)
       # REPEAT_AFTER_FLUSH="w" (or a list with w) adds the warm run: a 1 MiB flush, L2 and
       # the code left warm (notes/perf.md §32), into small_warm_flush_1mib_<commit>.json
-      commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
       mkdir -p bench/results/repeat
       for k in ${REPEAT_AFTER_FLUSH:-0 1}; do
         if [ "$k" = w ]; then
