@@ -416,7 +416,8 @@ def row_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_coun
     team_log, np_ = row_geometry(hidden, vec, op != OP_RMS, rows, sm_count)
     if np_ == 0:
         return None
-    full = (full_row_forms_enabled() and hidden == (np_ * vec) << team_log
+    full = (full_row_forms_enabled() and row_index_fits_32(rows)
+            and hidden == (np_ * vec) << team_log
             and ((np_ == _row_default_np(op) and 1 <= team_log <= 8)
                  or (np_ == 1 and 4 <= team_log <= 8)))
     block = row_block(team_log, rows, sm_count)
@@ -446,7 +447,7 @@ def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_
     (``forward_row_with_global_table``); ``None`` elsewhere."""
     if not (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
             and gated_row_table_enabled() and full_row_forms_enabled()
-            and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS):
+            and row_index_fits_32(rows) and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS):
         return None
     vec = vec_of(dtype_code)
     team_log, np_ = row_geometry(hidden, vec, True, rows, sm_count)
@@ -455,6 +456,13 @@ def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_
     block = row_block(team_log, rows, sm_count)
     name = f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true>"
     return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
+
+
+def row_index_fits_32(rows: int) -> bool:
+    """Whether the one-row forward's constant forms may take `rows`: they index a row in 32
+    bits (``row_index_fits_32`` in the launcher), so more than ``2**31 - 1`` rows take the
+    general form."""
+    return rows <= 0x7FFFFFFF
 
 
 def full_row_forms_enabled() -> bool:

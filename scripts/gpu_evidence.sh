@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -136,6 +136,16 @@ for s in $stages; do
         --build="-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" \
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3 \
         --out "bench/results/sweeps/block_fold_${commit}.json" ;;
+    warp-team)  # the small forwards and backwards with the warp teams' final broadcast
+      # skipped and the one-row forward's row in 32 bits (the defaults since session 30)
+      # against both as before, after the 512 MiB flush and warm; ab.py checks that both
+      # builds' y, dx and dweight hash alike (notes §35)
+      mkdir -p bench/results/sweeps
+      run ${MICRO_LIMIT:-420} warp-team python3 bench/micro/ab.py \
+        bench/micro/small_backward_ab.cu --build "" \
+        --build="-DNORMSPEC_TEAM_SKIP_BROADCAST=0 -DNORMSPEC_FWD_ROW_SLOT32=0" \
+        --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds ${WARP_TEAM_ROUNDS:-3} \
+        --out "bench/results/sweeps/warp_team_${commit}.json" ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
       # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1

@@ -377,6 +377,11 @@ def test_gated_row_table_launch(op, dt, rows, hidden, want, monkeypatch):
     # rows that do not fill the team: the general form
     (cb.OP_RMS, cb.DT_F16, 100000, 1003,
      ("normspec_fwd_row_kernel<0, __half, 4, -1>", (100000, 1, 1), (32, 1, 1), 5)),
+    # more rows than a 32-bit row index holds (the constant forms' SLOT32): the general form
+    (cb.OP_RMS, cb.DT_BF16, 2**31, 256,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, -1>", (2**29, 1, 1), (32, 1, 1), 3)),
+    (cb.OP_RMS, cb.DT_BF16, 2**31 - 1, 256,
+     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (2**29, 1, 1), (32, 1, 1), 3)),
     # more than 1024 vectors: not the one-row forward
     (cb.OP_RMS, cb.DT_BF16, 64, 8200, None),
     (cb.OP_FUSED, cb.DT_F32, 64, 4100, None),

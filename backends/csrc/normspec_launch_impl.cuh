@@ -289,6 +289,11 @@ inline bool full_row_forms_enabled() {
   return on;
 }
 
+// The one-row forward's constant forms index their row in 32 bits where teams are at most
+// a warp (SLOT32 in normspec_fwd_row_kernel) and by blockIdx.x above that: more rows than
+// 2^31 - 1 (which no output fits on today's devices) take the general form.
+inline bool row_index_fits_32(long long rows) { return rows <= 0x7fffffffLL; }
+
 // NORMSPEC_SAVED_RSTD=0: the pipelined backward recomputes rstd even where the
 // forward's is given (a.rstd_in; default: it reads the given one). Same bits.
 inline bool saved_rstd_enabled() {
@@ -684,7 +689,7 @@ template <int OP, typename T>
 bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
   if constexpr (OP == OP_GATED && IsBf16<T>::value) {
     if (!gated_row_table_enabled() || !(a.flags & F_ALIGNED) || !use_gate_table<OP, T>(a) ||
-        !full_row_forms_enabled())
+        !full_row_forms_enabled() || !row_index_fits_32(a.rows))
       return false;
     const PipeGeometry g = row_geometry(a.H, VecOf<T>::value, forward_team_override(), true,
                                         a.rows);
@@ -722,7 +727,8 @@ template <int OP, typename T, int NP>
 void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
   constexpr int DEFAULT_NP = OP == OP_RMS ? 4 : 2;
   if constexpr (NP == DEFAULT_NP) {
-    if (full_row_forms_enabled() && fills_team<T, NP>(a.H, g.team_log) &&
+    if (full_row_forms_enabled() && row_index_fits_32(a.rows) &&
+        fills_team<T, NP>(a.H, g.team_log) &&
         with_team_log<1, 8>(g.team_log, [&](auto tl) {
           launch_row<OP, T, NP, decltype(tl)::value>(a, g, stream);
         }))
@@ -733,7 +739,8 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
   // bound by one row's latency, which the constant forms shorten (bf16 rms: 312 SASS
   // instructions against 696 for the general form).
   if constexpr (NP == 1) {
-    if (full_row_forms_enabled() && fills_team<T, 1>(a.H, g.team_log) &&
+    if (full_row_forms_enabled() && row_index_fits_32(a.rows) &&
+        fills_team<T, 1>(a.H, g.team_log) &&
         with_team_log<4, 8>(g.team_log, [&](auto tl) {
           launch_row<OP, T, 1, decltype(tl)::value>(a, g, stream);
         }))

@@ -313,6 +313,13 @@ __device__ __forceinline__ Team make_team(int team_log) {
 // Every lane of the team ends with, per pass, the tree of the pass's segment
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
 // used by multi-warp teams (one team per block) only.
+// NORMSPEC_TEAM_SKIP_BROADCAST (build time, default 1 since session 30; =0 for A/B): teams
+// of at most a warp skip the final broadcast of team_reduce_pipe where every butterfly
+// level was taken (every constant form), since each lane then holds lane 0's bits; one
+// shuffle off the reduction's chain.
+#ifndef NORMSPEC_TEAM_SKIP_BROADCAST
+#define NORMSPEC_TEAM_SKIP_BROADCAST 1
+#endif
 template <int NP, int VEC>
 __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int team_log,
                                                  float* red) {
@@ -332,6 +339,13 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
     }
   }
   if (team <= 32) {
+#if NORMSPEC_TEAM_SKIP_BROADCAST
+    // Where every level below wlim was taken, each lane already holds the bits lane 0
+    // holds: at each level the two lanes of a pair add the same two operands, in the other
+    // order, and a correctly rounded add is commutative (a NaN's payload aside, which the
+    // spec leaves open). The broadcast is then a no-op, and it is skipped.
+    if (wlim == 1 || VEC * (wlim >> 1) < P) return;
+#endif
 #pragma unroll
     for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0, wlim);
     return;
@@ -1057,6 +1071,14 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_FWD_ROW_PER_BLOCK
 #define NORMSPEC_FWD_ROW_PER_BLOCK 1
 #endif
+// NORMSPEC_FWD_ROW_SLOT32 (build time, default 1 since session 30; =0 for A/B): the
+// one-row forward's constant forms with teams of at most a warp index their row in 32 bits
+// (SLOT32 in normspec_fwd_row_kernel). cuobjdump (sm_90a, the 64 x 256 bf16 rms form, a
+// team of 32 lanes, with NORMSPEC_TEAM_SKIP_BROADCAST): 174 -> 169 SASS to EXIT, the row's
+// load at SASS 31 instead of 34.
+#ifndef NORMSPEC_FWD_ROW_SLOT32
+#define NORMSPEC_FWD_ROW_SLOT32 1
+#endif
 // Test only (build time, default 0): see normspec_bwd_pipe_kernel's shared-memory halves.
 #ifndef NORMSPEC_BWD_SAVED_SAME_HALF
 #define NORMSPEC_BWD_SAVED_SAME_HALF 0
@@ -1112,7 +1134,16 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // the row is blockIdx.x and every team has one, as in the one-row backward
   // (normspec_bwd_row_kernel's PER_BLOCK)
   constexpr bool PER_BLOCK = NORMSPEC_FWD_ROW_PER_BLOCK && FULL && FULL_TL >= 6;
-  const long long row = PER_BLOCK ? static_cast<long long>(blockIdx.x) : tm.slot;
+  // NORMSPEC_FWD_ROW_SLOT32: teams of at most a warp (several a block) take their row as
+  // the block's first team plus the thread's team, in 32 bits (launch_row: fewer than 2^31
+  // rows, row_index_fits_32), instead of the 64-bit slot of the grid-wide thread index
+  constexpr bool SLOT32 = NORMSPEC_FWD_ROW_SLOT32 && FULL && FULL_TL <= 5;
+  constexpr int SLOT_SHIFT = FULL ? FULL_TL : 0;
+  const long long row =
+      PER_BLOCK ? static_cast<long long>(blockIdx.x)
+      : SLOT32  ? static_cast<long long>(blockIdx.x * (blockDim.x >> SLOT_SHIFT) +
+                                        (threadIdx.x >> SLOT_SHIFT))
+                : tm.slot;
   const bool live = PER_BLOCK || row < rows;
   // <= 8192: column arithmetic in 32 bits
   const int Hc = FULL ? (NP * VEC) << (FULL ? FULL_TL : 0) : static_cast<int>(H);

@@ -13,13 +13,17 @@
 //     0 (most L1) and 100 (most shared memory).
 //   norm: the shipped launcher (launch_forward, then launch_backward and dweight's
 //     tree launches as normspec_cuda.cpp's backward() makes them) at 1, 64 and 4096
-//     rows, with an FNV-1a hash of dx and dweight (equal across settings).
+//     rows of 2048 and 64 and 4096 of 256 (the q/k norm), with an FNV-1a hash of dx,
+//     dweight and y (equal across settings; y since session 30).
 // The NORMSPEC_* switches of the launcher apply (NORMSPEC_DW_FINAL=0, NORMSPEC_PDL=0), and
 // where the tree has them, the build-time ones of the backward kernel (compile with
 // -DNORMSPEC_BWD_FILL_BATCHED=0 or -DNORMSPEC_RMS_BWD_UNCAPPED=0 for the old forms).
 // -DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0: the multi-warp teams' fold
 // by shuffles and the one-row forward's row from the thread index, as before session 29
 // (scripts/gpu_evidence.sh block-fold times them against the default; notes §34).
+// -DNORMSPEC_TEAM_SKIP_BROADCAST=0 -DNORMSPEC_FWD_ROW_SLOT32=0: the warp teams' final
+// broadcast and the one-row forward's 64-bit slot, as before session 30 (gpu_evidence.sh
+// warp-team; notes §35).
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
 // bench's shape; its hash covers y and dgate too).
@@ -126,8 +130,8 @@ static void norm_case(const char* label, const char* name, int op, long long row
   b.rstd_in = rstd;
   const float bwd_us = timer.median_us([&] { backward(op, b, dw, ws, ws2); });
   CK(cudaDeviceSynchronize());
-  unsigned long long h = fnv(dw, H * 2, fnv(dx, n * 2, 1469598103934665603ull));
-  if (gated) h = fnv(dgate, n * 2, fnv(y, n * 2, h));
+  unsigned long long h = fnv(y, n * 2, fnv(dw, H * 2, fnv(dx, n * 2, 1469598103934665603ull)));
+  if (gated) h = fnv(dgate, n * 2, h);
   std::printf("%-12s %s %6lld x %-5lld fwd %7.2f us  bwd %7.2f us  %016llx\n", label, name,
               rows, H, fwd_us, bwd_us, h);
   for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(y),
@@ -148,6 +152,8 @@ int main(int argc, char** argv) {
   norm_case(label, "norm", OP_RMS, 64, 2048, timer);
   norm_case(label, "norm", OP_RMS, 4096, 2048, timer);
   norm_case(label, "norm", OP_RMS, 32768, 2048, timer);
+  norm_case(label, "norm", OP_RMS, 64, 256, timer);
+  norm_case(label, "norm", OP_RMS, 4096, 256, timer);
   if (gated_cases_on()) {
     norm_case(label, "gated vllm", OP_GATED, 2097152, 128, timer);
     norm_case(label, "gated hf", OP_GATED, 2097152, 128, timer, F_HF);
