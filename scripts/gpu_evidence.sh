@@ -170,7 +170,8 @@ for s in $stages; do
       # protocol, then with one no-op kernel after the flush (notes/perf.md §31), ranked
       # into bench/results/repeat/ (the benchmarks page renders every file there)
       # REPEAT_AFTER_FLUSH="w" (or a list with w) adds the warm run: a 1 MiB flush, L2 and
-      # the code left warm (notes/perf.md §32), into small_warm_flush_1mib_<commit>.json
+      # the code left warm (notes/perf.md §32), into small_warm_flush_1mib_<commit>.json;
+      # REPEAT_TAG=T names the files small_..._T_<commit>.json (a run under switches)
       mkdir -p bench/results/repeat
       for k in ${REPEAT_AFTER_FLUSH:-0 1}; do
         if [ "$k" = w ]; then
@@ -182,7 +183,8 @@ for s in $stages; do
           --out "$OUT/repeat_$k" -- --case norm:1:2048 --case norm:64:2048 \
           --case norm:4096:2048 --case norm:64:256 --case norm:4096:256 --rounds 5 \
           --backend torch_ext --backend compile --backend liger $how
-        cp "$OUT/repeat_$k"/*.json "bench/results/repeat/${name}_${commit}.json" 2>/dev/null
+        cp "$OUT/repeat_$k"/*.json \
+          "bench/results/repeat/${name}${REPEAT_TAG:+_$REPEAT_TAG}_${commit}.json" 2>/dev/null
       done ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;

@@ -27,9 +27,10 @@ PYTHON_EXTRA = """if [ "$1" = bench/repeat.py ]; then
   done
 fi"""
 # variables the stages read, which the caller's environment must not set
-STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "RACECHECK_PLANTED", "NORMSPEC_BUILD_DEFINES", "PEERS",
-                   "LIGER", "SMALL", "GATED", "FLA", "BACKWARD", "CACHE", "CONFORMANCE_ARGS",
-                   "SWEEP_ARGS", "TESTS_PATHS", "TESTS_WORKERS")
+STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
+                   "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
+                   "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
+                   "TESTS_WORKERS")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -86,6 +87,13 @@ def test_small_repeat_defaults_to_the_bench_protocol_and_one_no_op_kernel(run_st
     lines = [ln for ln in run_stage("small-repeat") if "bench/repeat.py" in ln]
     assert [ln.rsplit(" ", 1)[1] for ln in lines] == ["0", "1"]
     assert all("--after-flush-kernels" in ln for ln in lines)
+
+
+def test_small_repeat_tag_names_the_files_of_a_run_under_switches(run_stage):
+    run_stage("small-repeat", REPEAT_AFTER_FLUSH="0 w", REPEAT_TAG="spread")
+    saved = sorted(p.name for p in (run_stage.tree / "bench/results/repeat").iterdir())
+    assert saved == ["small_after_flush_0_spread_abc1234.json",
+                     "small_warm_flush_1mib_spread_abc1234.json"]
 
 
 def test_ncu_small_liger_profiles_liger_without_ncu_s_flush(run_stage):

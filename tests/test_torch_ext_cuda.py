@@ -484,6 +484,7 @@ OVERRIDES = [
     {"NORMSPEC_SAVED_RSTD": "0"},
     {"NORMSPEC_ROW_BLOCK": "32"},
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
+    {"NORMSPEC_ROW_BLOCK_SPREAD": "1"},  # few rows of warp teams: 64-thread blocks
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
     {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups

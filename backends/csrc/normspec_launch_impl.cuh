@@ -332,6 +332,17 @@ inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
   return with_passes(threads, H, vec);
 }
 
+// NORMSPEC_ROW_BLOCK_SPREAD=1 (run time, default off; an experiment, notes/perf.md §35):
+// where teams of at most a warp fill fewer 256-thread blocks than the device has SMs, the
+// one-row forward runs 64-thread blocks, so that the rows spread over four times as many
+// SMs. On the H200, warm (1 MiB flush; one process, 2 rounds, equal hashes;
+// bench/results/sweeps/qk_row_block_7327fa8.json): 64 x 256 bf16 3.62 -> 3.49 us with
+// NORMSPEC_ROW_BLOCK=64 (4096 x 256, which this leaves at 256: 4.40 -> 5.15 with 64).
+inline bool row_block_spread() {
+  static const bool on = env_is("NORMSPEC_ROW_BLOCK_SPREAD", '1');
+  return on;
+}
+
 // Threads per block of the one-row forward: one team for teams of 64 and more
 // lanes; for smaller teams (sharing warps) 256 threads, or one warp where the
 // launch runs many waves: its teams' threads at least 8 times the device's
@@ -346,7 +357,9 @@ inline int row_block(const PipeGeometry& g, long long rows) {
   if (g.team_log > 5) return 1 << g.team_log;
   if (row_block_override()) return row_block_override();
   const long long waves8 = static_cast<long long>(device_sms()) * 2048 * 8;
-  return (rows << g.team_log) >= waves8 ? 32 : 256;
+  if ((rows << g.team_log) >= waves8) return 32;
+  if (row_block_spread() && (rows << g.team_log) < 256LL * device_sms()) return 64;
+  return 256;
 }
 
 // Multiprocessors of the current device, cached per device (132, an H100/H200,
