@@ -136,14 +136,14 @@ for s in $stages; do
         --build="-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" \
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds 3 \
         --out "bench/results/sweeps/block_fold_${commit}.json" ;;
-    warp-team)  # the small forwards and backwards with the warp teams' final broadcast
-      # skipped and the one-row forward's row in 32 bits (the defaults since session 30)
-      # against both as before, after the 512 MiB flush and warm; ab.py checks that both
-      # builds' y, dx and dweight hash alike (notes §35)
+    warp-team)  # the small forwards and backwards: the default (the one-row forward's
+      # row in 32 bits since session 30) against the 64-bit row and against the warp teams'
+      # final broadcast skipped (an experiment), after the 512 MiB flush and warm; ab.py
+      # checks that the builds' y, dx and dweight hash alike (notes §35)
       mkdir -p bench/results/sweeps
       run ${MICRO_LIMIT:-420} warp-team python3 bench/micro/ab.py \
-        bench/micro/small_backward_ab.cu --build "" \
-        --build="-DNORMSPEC_TEAM_SKIP_BROADCAST=0 -DNORMSPEC_FWD_ROW_SLOT32=0" \
+        bench/micro/small_backward_ab.cu --build "" --build=-DNORMSPEC_FWD_ROW_SLOT32=0 \
+        --build=-DNORMSPEC_TEAM_SKIP_BROADCAST=1 \
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds ${WARP_TEAM_ROUNDS:-3} \
         --out "bench/results/sweeps/warp_team_${commit}.json" ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)

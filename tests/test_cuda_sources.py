@@ -356,17 +356,18 @@ def test_one_row_forward_block_fold_and_row_per_block(tmp_path, flags, shuffles,
 
 @needs_nvcc
 @pytest.mark.parametrize(("flags", "shuffles", "slot_in_64_bits"), [
-    ([], 5, False),
-    (["-DNORMSPEC_TEAM_SKIP_BROADCAST=0"], 6, False),
-    (["-DNORMSPEC_FWD_ROW_SLOT32=0"], 5, True),
-], ids=["default", "broadcast", "slot_64"])
-def test_warp_team_forward_skips_the_broadcast_and_indexes_its_row_in_32_bits(
+    ([], 6, False),
+    (["-DNORMSPEC_TEAM_SKIP_BROADCAST=1"], 5, False),
+    (["-DNORMSPEC_FWD_ROW_SLOT32=0"], 6, True),
+], ids=["default", "skip_broadcast", "slot_64"])
+def test_warp_team_forward_row_in_32_bits_and_the_broadcast_experiment(
         tmp_path, flags, shuffles, slot_in_64_bits):
-    """The 256-wide bf16 forward's form (a team of one warp): all five butterfly levels are
-    taken, so every lane holds lane 0's sum and no broadcast follows them
-    (``NORMSPEC_TEAM_SKIP_BROADCAST=0``: a sixth shuffle), and its row is the block's first
+    """The 256-wide bf16 forward's form (a team of one warp): its row is the block's first
     team plus the warp, in 32 bits (``NORMSPEC_FWD_ROW_SLOT32=0``: the grid-wide thread
-    index in 64 bits, shifted right by the team's log). notes/perf.md §35."""
+    index in 64 bits, shifted right by the team's log); five butterfly levels and a
+    broadcast (``NORMSPEC_TEAM_SKIP_BROADCAST=1``, an experiment: every level is taken, so
+    every lane already holds lane 0's sum, and the broadcast is left out). notes/perf.md
+    §35."""
     text = _entry(_ptx_of(tmp_path, WARP_TEAM_FORWARD_PROBE, "sm_90a", "-fmad=false", *flags),
                   "normspec_fwd_row_kernel")
     assert len(re.findall(r"\bshfl\.sync\.", text)) == shuffles

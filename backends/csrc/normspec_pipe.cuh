@@ -313,12 +313,15 @@ __device__ __forceinline__ Team make_team(int team_log) {
 // Every lane of the team ends with, per pass, the tree of the pass's segment
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
 // used by multi-warp teams (one team per block) only.
-// NORMSPEC_TEAM_SKIP_BROADCAST (build time, default 1 since session 30; =0 for A/B): teams
-// of at most a warp skip the final broadcast of team_reduce_pipe where every butterfly
-// level was taken (every constant form), since each lane then holds lane 0's bits; one
-// shuffle off the reduction's chain.
+// NORMSPEC_TEAM_SKIP_BROADCAST (build time, default 0; an experiment, notes/perf.md §35):
+// teams of at most a warp skip the final broadcast of team_reduce_pipe where every
+// butterfly level was taken (every constant form), since each lane then holds lane 0's
+// bits: one shuffle off the reduction's chain. But the broadcast also told the compiler
+// that the sum is the same in every lane; without it ptxas wraps the rsqrt and division
+// slow paths in BSSY / BSYNC (cuobjdump, sm_90a, the 64 x 256 bf16 rms form with
+// NORMSPEC_FWD_ROW_SLOT32: 166 SASS to EXIT, 169 with the skip). Not yet timed alone.
 #ifndef NORMSPEC_TEAM_SKIP_BROADCAST
-#define NORMSPEC_TEAM_SKIP_BROADCAST 1
+#define NORMSPEC_TEAM_SKIP_BROADCAST 0
 #endif
 template <int NP, int VEC>
 __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int team_log,
@@ -1074,8 +1077,10 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // NORMSPEC_FWD_ROW_SLOT32 (build time, default 1 since session 30; =0 for A/B): the
 // one-row forward's constant forms with teams of at most a warp index their row in 32 bits
 // (SLOT32 in normspec_fwd_row_kernel). cuobjdump (sm_90a, the 64 x 256 bf16 rms form, a
-// team of 32 lanes, with NORMSPEC_TEAM_SKIP_BROADCAST): 174 -> 169 SASS to EXIT, the row's
-// load at SASS 31 instead of 34.
+// team of 32 lanes): 174 -> 166 SASS to EXIT. On the H200, together with
+// NORMSPEC_TEAM_SKIP_BROADCAST=1, against neither (3 rounds, equal hashes;
+// bench/results/sweeps/warp_team_7327fa8.json): 64 x 256 forward 3.90 -> 3.78 us after the
+// 512 MiB flush, 3.55 -> 3.52 warm; the rounds' ranges overlap: no loss, a gain not shown.
 #ifndef NORMSPEC_FWD_ROW_SLOT32
 #define NORMSPEC_FWD_ROW_SLOT32 1
 #endif

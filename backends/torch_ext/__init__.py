@@ -63,6 +63,10 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
   have at most 32 lanes (a power of two, 32..256; default 256, or one warp for
   launches of at least 8 waves of the device's resident threads);
+* ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (an experiment, off by default): where those teams
+  would fill fewer 256-thread blocks than the device has SMs (64 x 256 bf16: yes,
+  4096 x 256: no), 64-thread blocks, so that few rows spread over more SMs (the CuPy
+  backend does not read it);
 * ``NORMSPEC_BWD_ROW=0``: rms backward launches of full rows whose plan gives every
   row a dweight group of its own (launches too small to fill the GPU, such as
   1 x 2048 or 4096 x 256) run the pipelined kernel instead of the one-row kernel,

@@ -21,9 +21,9 @@
 // -DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0: the multi-warp teams' fold
 // by shuffles and the one-row forward's row from the thread index, as before session 29
 // (scripts/gpu_evidence.sh block-fold times them against the default; notes §34).
-// -DNORMSPEC_TEAM_SKIP_BROADCAST=0 -DNORMSPEC_FWD_ROW_SLOT32=0: the warp teams' final
-// broadcast and the one-row forward's 64-bit slot, as before session 30 (gpu_evidence.sh
-// warp-team; notes §35).
+// -DNORMSPEC_FWD_ROW_SLOT32=0: the one-row forward's 64-bit row index, as before session
+// 30; -DNORMSPEC_TEAM_SKIP_BROADCAST=1: the warp teams without their final broadcast (an
+// experiment; gpu_evidence.sh warp-team times both against the default; notes §35).
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
 // bench's shape; its hash covers y and dgate too).
