@@ -108,30 +108,23 @@ def test_ncu_small_liger_profiles_liger_without_ncu_s_flush(run_stage):
     assert next(ln for ln in lines if not ln.startswith("nvidia-smi")) == "normspec build"
 
 
-def test_weight_early_compares_the_default_with_the_late_load(run_stage):
-    ab = [ln for ln in run_stage("weight-early") if "ab.py" in ln]
+@pytest.mark.parametrize(("stage", "fragments"), [
+    ("weight-early", ["--build=-DNORMSPEC_ROW_WEIGHT_EARLY=0",
+                      "--out bench/results/sweeps/row_weight_early_abc1234.json"]),
+    ("block-fold", ["bench/micro/small_backward_ab.cu",
+                    "--build=-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0",
+                    "--env NORMSPEC_AB_FLUSH_MIB=1",
+                    "--out bench/results/sweeps/block_fold_abc1234.json"]),
+    ("warp-team", ["bench/micro/small_backward_ab.cu", "--build=-DNORMSPEC_FWD_ROW_SLOT32=0",
+                   "--build=-DNORMSPEC_TEAM_SKIP_BROADCAST=1", "--env NORMSPEC_AB_FLUSH_MIB=1",
+                   "--out bench/results/sweeps/warp_team_abc1234.json"]),
+])
+def test_ab_stages_time_the_default_against_the_other_forms(run_stage, stage, fragments):
+    """Each A/B stage runs ab.py once, with its harness, builds, settings and output file."""
+    ab = [ln for ln in run_stage(stage) if "ab.py" in ln]
     assert len(ab) == 1
-    assert "--build=-DNORMSPEC_ROW_WEIGHT_EARLY=0" in ab[0]
-    assert "--out bench/results/sweeps/row_weight_early_abc1234.json" in ab[0]
-
-
-def test_block_fold_compares_the_default_with_the_old_forms(run_stage):
-    ab = [ln for ln in run_stage("block-fold") if "ab.py" in ln]
-    assert len(ab) == 1
-    assert "bench/micro/small_backward_ab.cu" in ab[0]
-    assert "--build=-DNORMSPEC_BLOCK_FOLD_LOCAL=0 -DNORMSPEC_FWD_ROW_PER_BLOCK=0" in ab[0]
-    assert "--env NORMSPEC_AB_FLUSH_MIB=1" in ab[0]
-    assert "--out bench/results/sweeps/block_fold_abc1234.json" in ab[0]
-
-
-def test_warp_team_compares_the_default_with_the_old_forms(run_stage):
-    ab = [ln for ln in run_stage("warp-team") if "ab.py" in ln]
-    assert len(ab) == 1
-    assert "bench/micro/small_backward_ab.cu" in ab[0]
-    assert "--build=-DNORMSPEC_FWD_ROW_SLOT32=0" in ab[0]
-    assert "--build=-DNORMSPEC_TEAM_SKIP_BROADCAST=1" in ab[0]
-    assert "--env NORMSPEC_AB_FLUSH_MIB=1" in ab[0]
-    assert "--out bench/results/sweeps/warp_team_abc1234.json" in ab[0]
+    for fragment in fragments:
+        assert fragment in ab[0], (stage, fragment)
 
 
 def test_racecheck_runs_both_sanitizer_tools_on_our_kernels_and_keeps_their_logs(run_stage):
