@@ -395,10 +395,15 @@ def row_block(team_log: int, rows: int, sm_count: int) -> int:
     64 lanes on; smaller teams share 256-thread blocks, or one-warp blocks where the
     launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``). The kernels'
     whole-block forms take their row from ``blockIdx.x``, so a team of 64+ lanes must stay
-    one block of its own."""
+    one block of its own. ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (an experiment, read at each
+    call): 64-thread blocks where 256-thread ones would number fewer than the SMs."""
     if team_log > 5:
         return 1 << team_log
-    return 32 if rows << team_log >= sm_count * 2048 * 8 else 256
+    if rows << team_log >= sm_count * 2048 * 8:
+        return 32
+    if os.environ.get("NORMSPEC_ROW_BLOCK_SPREAD") == "1" and rows << team_log < 256 * sm_count:
+        return 64
+    return 256
 
 
 def _row_default_np(op: int) -> int:

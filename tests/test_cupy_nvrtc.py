@@ -654,6 +654,33 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_row_block_spread_matches_the_cpp_launcher(tmp_path, monkeypatch):
+    """``NORMSPEC_ROW_BLOCK_SPREAD=1``: both launchers give the one-row forward's warp
+    teams 64-thread blocks where 256-thread ones would number fewer than the SMs (64 rows
+    of 256 bf16: yes; 4096: no), and leave whole-block teams and many-wave launches alone."""
+    import os
+
+    monkeypatch.setenv("NORMSPEC_ROW_BLOCK_SPREAD", "1")
+    out = _geo_output(tmp_path, {**os.environ})
+    sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
+    blocks = {}
+    for line in out.splitlines():
+        kind, *v = line.split()
+        if kind != "R":
+            continue
+        hidden, vec, two, rows, team_log, np_, block = (int(t) for t in v)
+        if np_:
+            assert block == cb.row_block(team_log, rows, sms), line
+            blocks[(hidden, vec, two, rows)] = (team_log, block)
+    assert blocks[(256, 8, 0, 100)] == (5, 64)  # 100 rows of 256 bf16: 13 blocks of 256
+    assert blocks[(256, 8, 0, 4096)] == (5, 256)  # 512 blocks of 256: more than the SMs
+    assert blocks[(2048, 8, 0, 100)] == (8, 256)  # a team of a block: its own block
+    assert 64 in {b for _, b in blocks.values()} and cb.row_block(5, 100, sms) == 64
+    monkeypatch.delenv("NORMSPEC_ROW_BLOCK_SPREAD")
+    assert cb.row_block(5, 100, sms) == 256
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_forced_group_log_stays_within_the_padded_rows(tmp_path):
     """NORMSPEC_BWD_GLOG=7 asks for groups of 128 rows; the launcher gives at most the
     rows' next power of two (and what shared memory holds). A deeper group would add

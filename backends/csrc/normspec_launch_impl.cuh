@@ -338,6 +338,7 @@ inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
 // SMs. On the H200, warm (1 MiB flush; one process, 2 rounds, equal hashes;
 // bench/results/sweeps/qk_row_block_7327fa8.json): 64 x 256 bf16 3.62 -> 3.49 us with
 // NORMSPEC_ROW_BLOCK=64 (4096 x 256, which this leaves at 256: 4.40 -> 5.15 with 64).
+// The CuPy backend's row_block reads it too (test_row_block_spread_matches_the_cpp_launcher).
 inline bool row_block_spread() {
   static const bool on = env_is("NORMSPEC_ROW_BLOCK_SPREAD", '1');
   return on;
