@@ -48,6 +48,15 @@
 using bf16 = __nv_bfloat16;
 using namespace normspec;
 
+// The weight widened to fp32: the launcher reads it where a switch (NORMSPEC_FWD_TEAM=8 at
+// 2048 columns, say) sends a call to a kernel that does not read the bf16 weight as it is,
+// as the torch extension passes it then (weight_fp32_unless_as_is); without it that launch
+// fails with cudaErrorInvalidValue.
+__global__ void widen_kernel(const bf16* w, float* w32, long long n) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) w32[i] = __bfloat162float(w[i]);
+}
+
 __global__ void empty_kernel(int* sink) {
   extern __shared__ int smem_any[];
   if (sink != nullptr && threadIdx.x == 0) sink[blockIdx.x] = smem_any[0];
@@ -105,7 +114,10 @@ static void norm_case(const char* label, const char* name, int op, long long row
   bf16 *x = new_bf16(n, 1), *dy = new_bf16(n, 2), *w = new_bf16(H, 5);
   bf16 *y = new_bf16(n), *dx = new_bf16(n), *dw = new_bf16(H);
   bf16 *gate = gated ? new_bf16(n, 3) : nullptr, *dgate = gated ? new_bf16(n) : nullptr;
-  float *rstd, *ws, *ws2;
+  float *rstd, *ws, *ws2, *w32;
+  CK(cudaMalloc(&w32, H * 4));
+  widen_kernel<<<static_cast<unsigned>((H + 255) / 256), 256>>>(w, w32, H);
+  CK(cudaGetLastError());
   CK(cudaMalloc(&rstd, rows * 4));
   CK(cudaMalloc(&ws, n * 4));  // at most one workspace row per input row
   CK(cudaMalloc(&ws2, n * 4));
@@ -113,6 +125,7 @@ static void norm_case(const char* label, const char* name, int op, long long row
   a.x = x;
   a.r = gate;
   a.w_in_dtype = w;
+  a.w = w32;  // read only where the launcher does not take w_in_dtype
   a.rows = rows;
   a.H = H;
   a.sx = a.sr = a.sy = a.sy2 = a.sdy = H;
@@ -137,6 +150,7 @@ static void norm_case(const char* label, const char* name, int op, long long row
   for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(y),
                   static_cast<void*>(dx), static_cast<void*>(w), static_cast<void*>(dw),
                   static_cast<void*>(rstd), static_cast<void*>(ws), static_cast<void*>(ws2),
+                  static_cast<void*>(w32),
                   static_cast<void*>(gate), static_cast<void*>(dgate)})
     CK(cudaFree(p));
 }
