@@ -310,9 +310,6 @@ __device__ __forceinline__ Team make_team(int team_log) {
 #ifndef NORMSPEC_BLOCK_FOLD_LOCAL
 #define NORMSPEC_BLOCK_FOLD_LOCAL 1
 #endif
-// Every lane of the team ends with, per pass, the tree of the pass's segment
-// (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
-// used by multi-warp teams (one team per block) only.
 // NORMSPEC_TEAM_SKIP_BROADCAST (build time, default 0; an experiment, notes/perf.md §35):
 // teams of at most a warp skip the final broadcast of team_reduce_pipe where every
 // butterfly level was taken (every constant form), since each lane then holds lane 0's
@@ -323,6 +320,9 @@ __device__ __forceinline__ Team make_team(int team_log) {
 #ifndef NORMSPEC_TEAM_SKIP_BROADCAST
 #define NORMSPEC_TEAM_SKIP_BROADCAST 0
 #endif
+// Every lane of the team ends with, per pass, the tree of the pass's segment
+// (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
+// used by multi-warp teams (one team per block) only.
 template <int NP, int VEC>
 __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int team_log,
                                                  float* red) {
