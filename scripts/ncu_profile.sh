@@ -17,6 +17,8 @@
 # CACHE=none: ncu's --cache-control none, so that it does not flush the caches before each
 # kernel (by default, all, it does); the CSV's name then ends in _warm. What the caches hold
 # is then what ncu's own replay passes of the same kernel left, not the bench's warm state.
+# FILTER (an ncu -k argument, e.g. regex:bwd) narrows the profiled kernels; CSV_SUFFIX=_x
+# names the CSV ncu_x.csv (ncu_fla_x.csv, ...) so that a narrowed run overwrites no other.
 set -euo pipefail
 OUT=${OUT:-.}
 if [ "${PEERS:-0}" = 1 ]; then
@@ -42,6 +44,8 @@ elif [ "${GATED:-0}" = 1 ]; then
   [ "${PEERS:-0}" = 1 ] && csv="$OUT/ncu_gated_peers.csv" || csv="$OUT/ncu_gated.csv"
 fi
 [ "${CACHE:-all}" = none ] && csv="${csv%.csv}_warm.csv"
+filter=${FILTER:-$filter}  # FILTER=regex:...: only the kernels it names
+csv="${csv%.csv}${CSV_SUFFIX:-}.csv"
 ncu --clock-control none --cache-control "${CACHE:-all}" --profile-from-start off -k "$filter" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section InstructionStats --csv --page raw \
