@@ -339,6 +339,10 @@ inline PipeGeometry row_geometry(long long H, int vec, int override_threads,
 // bench/results/sweeps/qk_row_block_7327fa8.json): 64 x 256 bf16 3.62 -> 3.49 us with
 // NORMSPEC_ROW_BLOCK=64 (4096 x 256, which this leaves at 256: 4.40 -> 5.15 with 64).
 // The CuPy backend's row_block reads it too (test_row_block_spread_matches_the_cpp_launcher).
+// Through the whole torch extension it did not pay (session 31, bench/repeat.py, three
+// processes, 1 MiB flush; bench/results/repeat/qk_64x256_warm_flush_1mib*_ee94569.json):
+// 64 x 256 forward 4.26 [4.19-4.35] us with it against 4.19 [4.19-4.42] without, so it
+// stays off (its run in the bench's protocol outlived its time limit: not measured).
 inline bool row_block_spread() {
   static const bool on = env_is("NORMSPEC_ROW_BLOCK_SPREAD", '1');
   return on;

@@ -316,7 +316,11 @@ __device__ __forceinline__ Team make_team(int team_log) {
 // bits: one shuffle off the reduction's chain. But the broadcast also told the compiler
 // that the sum is the same in every lane; without it ptxas wraps the rsqrt and division
 // slow paths in BSSY / BSYNC (cuobjdump, sm_90a, the 64 x 256 bf16 rms form with
-// NORMSPEC_FWD_ROW_SLOT32: 166 SASS to EXIT, 169 with the skip). Not yet timed alone.
+// NORMSPEC_FWD_ROW_SLOT32: 166 SASS to EXIT, 169 with the skip). Timed alone on the H200
+// (session 31, 2 rounds, equal hashes; bench/results/sweeps/warp_team_1fbd371.json),
+// forward us against the default: 64 x 256 3.78-3.81 against 3.71 after the 512 MiB flush,
+// 3.46-3.52 against 3.49-3.62 warm; 4096 x 256 4.74-5.18 against 4.61-4.80 flushed,
+// 4.32-4.35 against 4.29 warm. No gain: left off.
 #ifndef NORMSPEC_TEAM_SKIP_BROADCAST
 #define NORMSPEC_TEAM_SKIP_BROADCAST 0
 #endif
@@ -1081,6 +1085,10 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // NORMSPEC_TEAM_SKIP_BROADCAST=1, against neither (3 rounds, equal hashes;
 // bench/results/sweeps/warp_team_7327fa8.json): 64 x 256 forward 3.90 -> 3.78 us after the
 // 512 MiB flush, 3.55 -> 3.52 warm; the rounds' ranges overlap: no loss, a gain not shown.
+// Alone, session 31 (2 rounds, equal hashes; bench/results/sweeps/warp_team_1fbd371.json):
+// 4096 x 256 forward after the flush 4.61-4.80 us against 5.09-5.12 with =0 (a gain, the
+// ranges apart); 64 x 256 3.71 against 3.68-3.97; warm, both level (4.29 / 4.29-4.35 and
+// 3.49-3.62 / 3.52-3.62).
 #ifndef NORMSPEC_FWD_ROW_SLOT32
 #define NORMSPEC_FWD_ROW_SLOT32 1
 #endif

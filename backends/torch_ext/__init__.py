@@ -66,7 +66,8 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (an experiment, off by default): where those teams
   would fill fewer 256-thread blocks than the device has SMs (64 x 256 bf16: yes,
   4096 x 256: no), 64-thread blocks, so that few rows spread over more SMs (the CuPy
-  backend reads it too);
+  backend reads it too); one micro-harness sweep had it faster, three processes
+  through this extension did not (notes/perf.md §36);
 * ``NORMSPEC_BWD_ROW=0``: rms backward launches of full rows whose plan gives every
   row a dweight group of its own (launches too small to fill the GPU, such as
   1 x 2048 or 4096 x 256) run the pipelined kernel instead of the one-row kernel,
