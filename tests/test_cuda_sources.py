@@ -372,3 +372,87 @@ def test_warp_team_forward_row_in_32_bits_and_the_broadcast_experiment(
                   "normspec_fwd_row_kernel")
     assert len(re.findall(r"\bshfl\.sync\.", text)) == shuffles
     assert bool(re.search(r"\bshr\.[us]64\b", text)) == slot_in_64_bits
+
+
+_BACKWARD_ARGS = """
+    const __nv_bfloat16*, const __nv_bfloat16*, const void*, const __nv_bfloat16*,
+    const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, float*, long long, long long,
+    long long, long long, long long, long long, long long, long long, float, float, int, int,
+    int, const float*);"""
+
+#: The vllm gated backward of the bench's 2^21 x 128 bf16 (a team of 16 lanes, one pass,
+#: the saved rstd, the gate table's convention constants GC 0) and the same op's general form.
+GATED_BACKWARD_PROBE = (
+    '#include "normspec_pipe.cuh"\n'
+    "template __global__ void normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, true, 0>("
+    + _BACKWARD_ARGS +
+    "\ntemplate __global__ void normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, -1, true, -1>("
+    + _BACKWARD_ARGS + "\n")
+
+#: 64-bit products and compares: the row, group and offset arithmetic of long long indices.
+_ROW_ARITHMETIC_64 = r"\b(?:mul\.lo|setp\.[a-z]+)\.s64\b"
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("flags", "constant_form_in_64_bits"), [
+    ([], True),
+    (["-DNORMSPEC_BWD_OFF32=1"], False),
+], ids=["default", "off32"])
+def test_backward_constant_forms_offsets_in_32_bits_experiment(
+        tmp_path, flags, constant_form_in_64_bits):
+    """``NORMSPEC_BWD_OFF32=1`` (an experiment, off by default; notes/perf.md §36): the
+    pipelined backward's constant forms do their row, group and offset arithmetic in int,
+    so their PTX has no 64-bit multiply or compare left; the general form keeps its 64-bit
+    rows either way (the launcher sends it what does not fit in 32 bits)."""
+    ptx = _ptx_of(tmp_path, GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false", *flags)
+    constant = _entry(ptx, "Li1ELi4ELb1ELi0EE")
+    general = _entry(ptx, "Li1ELin1ELb1ELin1EE")
+    assert bool(re.search(_ROW_ARITHMETIC_64, constant)) == constant_form_in_64_bits
+    assert re.search(_ROW_ARITHMETIC_64, general)
+
+
+OFFSETS_FIT_MAIN = r"""
+#include "normspec_launch_impl.cuh"
+#include <cstdio>
+int main() {
+  const long long cases[][3] = {@CASES@};
+  for (const auto& c : cases) {
+    normspec::LaunchArgs a;
+    a.rows = c[0];
+    a.H = c[1];
+    a.sx = a.sr = a.sdy = a.sy = a.sy2 = c[2];
+    printf("%d\n", normspec::launch_detail::bwd_offsets_fit_32(a) ? 1 : 0);
+  }
+}
+"""
+
+#: (rows, H, the tensors' row stride) and whether NORMSPEC_BWD_OFF32's 32-bit offsets fit:
+#: every row index within 2^30, the last row's last element within 2^31 - 2.
+OFFSETS_FIT_CASES = [
+    ((1 << 21, 128, 128), True),  # the bench's gated backward
+    (((1 << 24) - 1, 128, 128), True),  # the last element at 2^31 - 129
+    ((1 << 24, 128, 128), False),  # ... at 2^31 - 1
+    ((1 << 19, 128, 4096), True),  # strided rows: the stride counts, not H
+    (((1 << 19) + 1, 128, 4096), False),
+    ((1 << 30, 1, 1), True),
+    (((1 << 30) + 1, 1, 1), False),  # more rows than the 32-bit group arithmetic allows
+    ((0, 128, 128), True),
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("off32", [0, 1])
+def test_backward_offsets_fit_32_bits(tmp_path, off32):
+    """The launcher's bound for ``NORMSPEC_BWD_OFF32``'s constant forms (compiled and run on
+    the host): with the switch, a launch takes them only where its offsets fit in 32 bits;
+    without it, every launch may (their arithmetic is then 64-bit)."""
+    src = tmp_path / "fit.cu"
+    src.write_text(OFFSETS_FIT_MAIN.replace("@CASES@", ", ".join(
+        "{" + ", ".join(f"{v}LL" for v in case) + "}" for case, _ in OFFSETS_FIT_CASES)))
+    exe = tmp_path / "fit"
+    done = subprocess.run([NVCC, "-std=c++17", "-arch=compute_90", "-code=compute_90",
+                           f"-DNORMSPEC_BWD_OFF32={off32}", "-I", str(CSRC), str(src), "-o",
+                           str(exe)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1" if fits or not off32 else "0" for _, fits in OFFSETS_FIT_CASES]

@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <type_traits>
 
 #include "normspec_launch.h"
@@ -293,6 +294,25 @@ inline bool full_row_forms_enabled() {
 // a warp (SLOT32 in normspec_fwd_row_kernel) and by blockIdx.x above that: more rows than
 // 2^31 - 1 (which no output fits on today's devices) take the general form.
 inline bool row_index_fits_32(long long rows) { return rows <= 0x7fffffffLL; }
+
+// NORMSPEC_BWD_OFF32 (normspec_pipe.cuh): the pipelined backward's constant forms then do
+// their row, group and offset arithmetic in int, so they take a launch only where every
+// element offset of its tensors (and of the workspace's group rows) and every row and
+// group index, with the team's slots past the last one, stays below 2^31: at most 2^30
+// rows (the slots past them add at most SMs x 2048 x 32 rows), and the last row's last
+// element, (rows - 1) * (the largest stride, or H) + H - 1, at most 2^31 - 2. Always true
+// where the switch is off (the forms' arithmetic is then 64-bit).
+inline bool bwd_offsets_fit_32(const LaunchArgs& a) {
+#if NORMSPEC_BWD_OFF32
+  long long m = a.H;
+  for (long long s : {a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2}) m = s > m ? s : m;
+  return a.rows <= (1LL << 30) && m <= 0x7fffffffLL &&
+         (a.rows - 1) * m <= 0x7fffffffLL - a.H;
+#else
+  static_cast<void>(a);
+  return true;
+#endif
+}
 
 // NORMSPEC_SAVED_RSTD=0: the pipelined backward recomputes rstd even where the
 // forward's is given (a.rstd_in; default: it reads the given one). Same bits.
@@ -887,6 +907,7 @@ void backward_pipe_t(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
   constexpr int LO = NP == 1 ? 4 : 7;  // the constant forms: team_log LO and LO + 1
   if constexpr (NP <= 2) {
     if (full_row_forms_enabled() && fills_team<T, NP>(a.H, plan.team_log) &&
+        bwd_offsets_fit_32(a) &&
         with_team_log<LO, LO + 1>(plan.team_log, [&](auto tl) {
           launch_bwd_pipe<OP, T, NP, decltype(tl)::value>(a, ws, plan, stream);
         }))

@@ -1092,6 +1092,25 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_FWD_ROW_SLOT32
 #define NORMSPEC_FWD_ROW_SLOT32 1
 #endif
+// NORMSPEC_BWD_OFF32 (build time, default 0; an experiment, notes/perf.md §36): the
+// pipelined backward's constant forms (FULL_TL >= 0) do their row, group and offset
+// arithmetic in 32-bit ints instead of 64-bit ones, and the launchers send launches whose
+// offsets do not fit (bwd_offsets_fit_32) to the general form. ncu at ee94569 (H200, the
+// vllm gated backward 2^21 x 128, bench/results/ncu/backward_kernels_H200.csv): 434 warp
+// instructions a row-pair iteration against FLA's 341 M / 2^20 = 325, at the same 16 warps
+// per SM; about 100 of the loop's 599 static SASS are the next row's 64-bit bookkeeping.
+#ifndef NORMSPEC_BWD_OFF32
+#define NORMSPEC_BWD_OFF32 0
+#endif
+// The index type of the backward's row arithmetic: int where NORMSPEC_BWD_OFF32 applies.
+template <bool B>
+struct BwdIndex {
+  using type = long long;
+};
+template <>
+struct BwdIndex<true> {
+  using type = int;
+};
 // Test only (build time, default 0): see normspec_bwd_pipe_kernel's shared-memory halves.
 #ifndef NORMSPEC_BWD_SAVED_SAME_HALF
 #define NORMSPEC_BWD_SAVED_SAME_HALF 0
@@ -1415,33 +1434,41 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   // the constant forms' block: 256 threads, or one team of 2**FULL_TL > 256 / 2 threads
   constexpr int FULL_NTHR = FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0);
   const int nthr = FULL ? FULL_NTHR : blockDim.x;
-  const long long R = 1LL << glog;
-  const long long groups = (rows + R - 1) >> glog;  // a shift: no 64-bit division
+  // NORMSPEC_BWD_OFF32: rows, groups, the team's slots and every element offset in 32 bits
+  // (the launcher checked that they fit: bwd_offsets_fit_32); long long otherwise
+  using Idx = typename BwdIndex<NORMSPEC_BWD_OFF32 != 0 && FULL>::type;
+  const Idx nrows = static_cast<Idx>(rows);
+  const Idx ox = static_cast<Idx>(sx), orr = static_cast<Idx>(sr), ody = static_cast<Idx>(sdy);
+  const Idx odr = static_cast<Idx>(sdres), odx = static_cast<Idx>(sdx);
+  const Idx od2 = static_cast<Idx>(sd2), ows = static_cast<Idx>(H);
+  const Idx R = Idx(1) << glog;
+  const Idx groups = (nrows + R - 1) >> glog;  // a shift: no 64-bit division
 
   const bool table = GCONST || (TABLE_OK && (flags & F_GATE_TABLE));
   float4* wsm = stk + glog * NP * Q * nthr;
   float2* tab = reinterpret_cast<float2*>(wsm + weight_float4s<NP, VEC>(team_log));
-  const long long mine = tm.slot - tm.lead;
+  const Idx lead = static_cast<Idx>(tm.lead), nslots = static_cast<Idx>(tm.nslots);
+  const Idx mine = static_cast<Idx>(tm.slot - tm.lead);
   // chained tree launches follow (normspec::chained_launches): they wait for this grid
   if (flags & F_LET_DEPENDENTS) let_dependents_launch();
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   float nrs = 1.0f;  // the next row's saved rstd
-  auto prefetch = [&](long long row) {
+  auto prefetch = [&](Idx row) {
     if constexpr (SAVED) nrs = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
-      nx[p] = load_raw<T>(x + row * sx, col, Hc);
-      if (TWO) nr[p] = load_raw<T>(r + row * sr, col, Hc);
-      ndy[p] = load_raw<T>(dy + row * sdy, col, Hc);
-      if (DRES) ndr[p] = load_raw<T>(dres + row * sdres, col, Hc);
+      nx[p] = load_raw<T>(x + row * ox, col, Hc);
+      if (TWO) nr[p] = load_raw<T>(r + row * orr, col, Hc);
+      ndy[p] = load_raw<T>(dy + row * ody, col, Hc);
+      if (DRES) ndr[p] = load_raw<T>(dres + row * odr, col, Hc);
     }
   };
 #pragma unroll
   for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = zero;
   {
-    const long long gi = tm.lead + mine;
+    const Idx gi = lead + mine;
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
   }
   // the weight factors and the gate table while the first rows are in flight
@@ -1454,15 +1481,15 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   if (table) fill_act_grad_table(tab, sig);
   __syncthreads();
   int buf = 0;
-  for (long long g0 = tm.lead; g0 < groups; g0 += tm.nslots) {
-    const long long gi = g0 + mine;
+  for (Idx g0 = lead; g0 < groups; g0 += nslots) {
+    const Idx gi = g0 + mine;
     const bool group_ok = gi < groups;
-    for (long long j = 0; j < R; ++j) {
-      const long long row = gi * R + j;
-      const bool active = group_ok && row < rows;
+    for (Idx j = 0; j < R; ++j) {
+      const Idx row = gi * R + j;
+      const bool active = group_ok && row < nrows;
       // the row after this one in the team's sequence
-      const long long nrow = (j + 1 < R) ? row + 1 : (gi + tm.nslots) * R;
-      const bool nactive = (j + 1 < R) ? (group_ok && nrow < rows) : (gi + tm.nslots < groups);
+      const Idx nrow = (j + 1 < R) ? row + 1 : (gi + nslots) * R;
+      const bool nactive = (j + 1 < R) ? (group_ok && nrow < nrows) : (gi + nslots < groups);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         cx[p] = active ? nx[p] : zero;
@@ -1532,7 +1559,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
               prod[k] = mul(dxh[p][k], xhat);
             }
           }
-          if (active && col < Hc) store_row<T>(d2 + row * sd2, col, Hc, dg);
+          if (active && col < Hc) store_row<T>(d2 + row * od2, col, Hc, dg);
         } else {
           norm_backward_vec<VEC>(v, dyv, g, rstd, dxh[p], c, prod);
         }
@@ -1564,7 +1591,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           if (flags & F_DW_FINAL)  // the only group (gi == 0): dweight itself
             store_row<T>(reinterpret_cast<T*>(ws), col, Hc, c);
           else
-            store_vec<float, VEC>(ws + gi * H, col, Hc, ws_aligned, c);
+            store_vec<float, VEC>(ws + gi * ows, col, Hc, ws_aligned, c);
         }
       }
       team_reduce_pipe<NP, VEC>(part, P, team_log, red[buf]);
@@ -1586,9 +1613,9 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
               if (flags & F_ROUNDED) round_pairs<T>(out);  // the rounded sum's gradient
 #pragma unroll
               for (int k = 0; k < VEC; ++k) out[k] = add(out[k], dr[k]);
-              if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * sd2, col, Hc, out);
+              if constexpr (OP == OP_FUSED) store_row<T>(d2 + row * od2, col, Hc, out);
             }
-            store_row<T>(dx + row * sdx, col, Hc, out);
+            store_row<T>(dx + row * odx, col, Hc, out);
           }
         }
       }
