@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -146,6 +146,21 @@ for s in $stages; do
         --build=-DNORMSPEC_TEAM_SKIP_BROADCAST=1 \
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds ${WARP_TEAM_ROUNDS:-3} \
         --out "bench/results/sweeps/warp_team_${commit}.json" ;;
+    bwd-off32)  # the pipelined backward's constant forms with 32-bit row and offset
+      # arithmetic (NORMSPEC_BWD_OFF32=1, an experiment; notes/perf.md §36) against the
+      # default in the micro harness, the gated 2^21 x 128 included (ab.py checks that y, dx,
+      # dweight and dgate hash alike); then the extension built with it runs its CUDA tests
+      mkdir -p bench/results/sweeps
+      run ${MICRO_LIMIT:-300} bwd-off32 python3 bench/micro/ab.py \
+        bench/micro/small_backward_ab.cu --build "" --build=-DNORMSPEC_BWD_OFF32=1 \
+        --env NORMSPEC_AB_GATED=1 --rounds ${OFF32_ROUNDS:-3} \
+        --out "bench/results/sweeps/bwd_off32_${commit}.json"
+      off32=NORMSPEC_BWD_OFF32=1
+      run ${BUILD_LIMIT:-240} build-off32 env NORMSPEC_BUILD_DEFINES=$off32 normspec build
+      workers=""
+      python3 -c "import xdist" 2>/dev/null && workers="-n ${TESTS_WORKERS:-8}"
+      run ${TESTS_LIMIT:-200} pytest-cuda-off32 env NORMSPEC_BUILD_DEFINES=$off32 \
+        python3 -m pytest -q -m cuda -p no:cacheprovider $workers tests/test_torch_ext_cuda.py ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
       # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1

@@ -30,7 +30,7 @@ fi"""
 STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
                    "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
                    "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
-                   "TESTS_WORKERS")
+                   "TESTS_WORKERS", "OFF32_ROUNDS")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -49,6 +49,8 @@ def run_stage(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     extra = {"nvidia-smi": 'echo "NVIDIA H200"', "python3": PYTHON_EXTRA,
+             "normspec": '[ -n "${NORMSPEC_BUILD_DEFINES:-}" ] && '
+                         'echo "  defines=$NORMSPEC_BUILD_DEFINES" >> "$STUB_LOG"',
              "compute-sanitizer": 'echo "  defines=${NORMSPEC_BUILD_DEFINES:-}" >> "$STUB_LOG"'}
     for name in ("nvidia-smi", "normspec", "python3", "ncu", "compute-sanitizer"):
         path = stubs / name
@@ -156,3 +158,17 @@ def test_ncu_profile_refuses_liger_with_another_choice(run_stage, env):
                           env={**_clean_environment(), "OUT": str(run_stage.tree), **env},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "LIGER=1" in done.stderr
+
+
+def test_bwd_off32_times_both_builds_then_tests_the_switched_build(run_stage):
+    lines = run_stage("bwd-off32")
+    ab = [ln for ln in lines if "bench/micro/ab.py" in ln]
+    assert len(ab) == 1
+    assert "--build=-DNORMSPEC_BWD_OFF32=1" in ab[0] and "--env NORMSPEC_AB_GATED=1" in ab[0]
+    assert ab[0].endswith("--out bench/results/sweeps/bwd_off32_abc1234.json")
+    # the default build first (stage "build"), then the switched one, whose tests follow
+    builds = [i for i, ln in enumerate(lines) if ln == "normspec build"]
+    assert len(builds) == 2 and lines[builds[1] + 1] == "  defines=NORMSPEC_BWD_OFF32=1"
+    tests = [ln for ln in lines if "pytest" in ln]
+    assert len(tests) == 1 and "-m cuda" in tests[0]
+    assert tests[0].endswith("tests/test_torch_ext_cuda.py")
