@@ -415,28 +415,36 @@ OFFSETS_FIT_MAIN = r"""
 #include "normspec_launch_impl.cuh"
 #include <cstdio>
 int main() {
-  const long long cases[][3] = {@CASES@};
+  // rows, H, which stride (0..5: sx, sr, sdy, sdres, sy, sy2; -1: none) and its value;
+  // the other strides 0, as the launcher leaves those an op does not read
+  const long long cases[][4] = {@CASES@};
   for (const auto& c : cases) {
     normspec::LaunchArgs a;
     a.rows = c[0];
     a.H = c[1];
-    a.sx = a.sr = a.sdy = a.sy = a.sy2 = c[2];
+    long long* strides[] = {&a.sx, &a.sr, &a.sdy, &a.sdres, &a.sy, &a.sy2};
+    if (c[2] >= 0) *strides[c[2]] = c[3];
     printf("%d\n", normspec::launch_detail::bwd_offsets_fit_32(a) ? 1 : 0);
   }
 }
 """
 
-#: (rows, H, the tensors' row stride) and whether NORMSPEC_BWD_OFF32's 32-bit offsets fit:
-#: every row index within 2^30, the last row's last element within 2^31 - 2.
+#: The strides bwd_offsets_fit_32 weighs, in LaunchArgs's order (dx's is sy, d2's sy2).
+_STRIDES = ("sx", "sr", "sdy", "sdres", "sy", "sy2")
+
+#: ((rows, H, stride name or None, stride), whether NORMSPEC_BWD_OFF32's 32-bit offsets fit:
+#: every row index within 2^30, the last row's last element within 2^31 - 2).
 OFFSETS_FIT_CASES = [
-    ((1 << 21, 128, 128), True),  # the bench's gated backward
-    (((1 << 24) - 1, 128, 128), True),  # the last element at 2^31 - 129
-    ((1 << 24, 128, 128), False),  # ... at 2^31 - 1
-    ((1 << 19, 128, 4096), True),  # strided rows: the stride counts, not H
-    (((1 << 19) + 1, 128, 4096), False),
-    ((1 << 30, 1, 1), True),
-    (((1 << 30) + 1, 1, 1), False),  # more rows than the 32-bit group arithmetic allows
-    ((0, 128, 128), True),
+    ((1 << 21, 128, "sx", 128), True),  # the bench's gated backward
+    (((1 << 24) - 1, 128, None, 0), True),  # H alone: the last element at 2^31 - 129
+    ((1 << 24, 128, None, 0), False),  # ... at 2^31 - 1
+    ((715827883, 1, "sx", 3), True),  # the last element at 2^31 - 2 exactly
+    ((715827884, 1, "sx", 3), False),
+    *(((1 << 19, 128, name, 4096), True) for name in _STRIDES),  # each stride counts
+    *((((1 << 19) + 1, 128, name, 4096), False) for name in _STRIDES),
+    ((1 << 30, 1, "sx", 1), True),
+    (((1 << 30) + 1, 1, "sx", 1), False),  # more rows than the 32-bit group arithmetic allows
+    ((0, 128, "sx", 128), True),
 ]
 
 
@@ -444,11 +452,15 @@ OFFSETS_FIT_CASES = [
 @pytest.mark.parametrize("off32", [0, 1])
 def test_backward_offsets_fit_32_bits(tmp_path, off32):
     """The launcher's bound for ``NORMSPEC_BWD_OFF32``'s constant forms (compiled and run on
-    the host): with the switch, a launch takes them only where its offsets fit in 32 bits;
-    without it, every launch may (their arithmetic is then 64-bit)."""
+    the host), at its edges and for each stride: with the switch, a launch takes them only
+    where its offsets fit in 32 bits; without it, every launch may (their arithmetic is then
+    64-bit)."""
+    rows = []
+    for (n, hidden, name, stride), _ in OFFSETS_FIT_CASES:
+        which = -1 if name is None else _STRIDES.index(name)
+        rows.append("{" + ", ".join(f"{v}LL" for v in (n, hidden, which, stride)) + "}")
     src = tmp_path / "fit.cu"
-    src.write_text(OFFSETS_FIT_MAIN.replace("@CASES@", ", ".join(
-        "{" + ", ".join(f"{v}LL" for v in case) + "}" for case, _ in OFFSETS_FIT_CASES)))
+    src.write_text(OFFSETS_FIT_MAIN.replace("@CASES@", ", ".join(rows)))
     exe = tmp_path / "fit"
     done = subprocess.run([NVCC, "-std=c++17", "-arch=compute_90", "-code=compute_90",
                            f"-DNORMSPEC_BWD_OFF32={off32}", "-I", str(CSRC), str(src), "-o",

@@ -299,9 +299,12 @@ inline bool row_index_fits_32(long long rows) { return rows <= 0x7fffffffLL; }
 // their row, group and offset arithmetic in int, so they take a launch only where every
 // element offset of its tensors (and of the workspace's group rows) and every row and
 // group index, with the team's slots past the last one, stays below 2^31: at most 2^30
-// rows (the slots past them add at most SMs x 2048 x 32 rows), and the last row's last
-// element, (rows - 1) * (the largest stride, or H) + H - 1, at most 2^31 - 2. Always true
-// where the switch is off (the forms' arithmetic is then 64-bit).
+// rows (the persistent grid's teams past them add at most SMs x 2048 x 8 rows: teams of 16+
+// lanes, groups of at most 128 rows; within 2^31 for fewer than 65536 SMs), and the last
+// row's last element, (rows - 1) * (the largest stride, or H) + H - 1, at most 2^31 - 2.
+// Always true where the switch is off (the forms' arithmetic is then 64-bit). A launch past
+// the bound also leaves the one-row rms backward (launch_bwd_row, 64-bit) for the general
+// form: slower, the same bits.
 inline bool bwd_offsets_fit_32(const LaunchArgs& a) {
 #if NORMSPEC_BWD_OFF32
   long long m = a.H;
