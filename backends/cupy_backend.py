@@ -313,12 +313,15 @@ def gate_table_enabled() -> bool:
 
 
 def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
-                         optin: int) -> tuple[str, int, int, bool, tuple[int, int, int]] | None:
+                         optin: int, strides: Sequence[int] = ()
+                         ) -> tuple[str, int, int, bool, tuple[int, int, int]] | None:
     """``(kernel name expression, glog, groups, gate table, (block, smem, team_log))`` of
     the pipelined backward for aligned rows, ``None`` where it does not apply. Rows that
     fill the team exactly in the common geometries (one pass of 16 or 32 lanes, two of
-    128 or 256 threads) run the constant-geometry form (``backward_pipe_t``). The
-    backward recomputes rstd (this backend keeps no forward state)."""
+    128 or 256 threads) run the constant-geometry form (``backward_pipe_t``), where their
+    offsets fit in 32 bits (`strides`: the row strides of the launch's tensors;
+    ``bwd_offsets_fit_32``). The backward recomputes rstd (this backend keeps no forward
+    state)."""
     plan = pipe_backward_plan(dtype_code, rows, hidden, sm_count, optin)
     if plan is None:
         return None
@@ -329,7 +332,7 @@ def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_co
              and fits_smem(pipe_smem_bytes(team_log, np_, vec, glog, True), optin))
     lo = 4 if np_ == 1 else 7
     full = (np_ <= 2 and full_row_forms_enabled() and hidden == (np_ * vec) << team_log
-            and team_log in (lo, lo + 1))
+            and team_log in (lo, lo + 1) and bwd_offsets_fit_32(rows, hidden, strides))
     name = (f"normspec_bwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
             f"{team_log if full else -1}, false, -1>")
     smem = pipe_smem_bytes(team_log, np_, vec, glog, table)
@@ -468,6 +471,19 @@ def row_index_fits_32(rows: int) -> bool:
     bits (``row_index_fits_32`` in the launcher), so more than ``2**31 - 1`` rows take the
     general form."""
     return rows <= 0x7FFFFFFF
+
+
+def bwd_offsets_fit_32(rows: int, hidden: int, strides: Sequence[int]) -> bool:
+    """Whether the pipelined backward's constant forms may take a launch of `rows` rows of
+    `hidden` elements with these row `strides`: built with ``NORMSPEC_BWD_OFF32`` (an
+    experiment, off by default; notes/perf.md §36) they do their row and offset arithmetic
+    in 32 bits, so at most ``2**30`` rows and a last element, ``(rows - 1) * max(strides,
+    hidden) + hidden - 1``, of at most ``2**31 - 2`` (``bwd_offsets_fit_32`` in the
+    launcher, which applies it only with the switch). This backend applies it always, so
+    that it stays right whichever default the header's switch has; the launches it turns
+    away hold more than ``2**31`` elements in one tensor, and run the general form."""
+    m = max((hidden, *strides))
+    return rows <= 1 << 30 and m <= 0x7FFFFFFF and (rows - 1) * m <= 0x7FFFFFFF - hidden
 
 
 def full_row_forms_enabled() -> bool:
@@ -1228,7 +1244,8 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         a = with_alignment(a, 4 if dt == DT_F32 else 2)
         sms = _sm_count(cp, side.dev)
         optin = _smem_optin(cp, side.dev)
-        pipe = (pipe_backward_launch(op, dt, nrows, hidden, sms, optin)
+        pipe = (pipe_backward_launch(op, dt, nrows, hidden, sms, optin,
+                                     (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
                 if a.flags & F_ALIGNED and pipe_backward_enabled() else None)
         if pipe is not None:
             # the pipelined backward: persistent teams, dweight stacks in shared memory

@@ -468,3 +468,10 @@ def test_backward_offsets_fit_32_bits(tmp_path, off32):
     assert done.returncode == 0, done.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1" if fits or not off32 else "0" for _, fits in OFFSETS_FIT_CASES]
+    # the CuPy backend applies the same bound whatever the switch (its NVRTC build takes the
+    # header's default)
+    from normspec.backends import cupy_backend as cb
+
+    assert [cb.bwd_offsets_fit_32(n, hidden, () if name is None else (stride,))
+            for (n, hidden, name, stride), _ in OFFSETS_FIT_CASES] == [
+        fits for _, fits in OFFSETS_FIT_CASES]

@@ -420,6 +420,16 @@ def test_pipe_backward_launch(op, dt, rows, hidden, want):
     assert grid == min(-(-groups // teams_per_block), 264)
 
 
+def test_pipe_backward_constant_forms_only_where_offsets_fit_32_bits():
+    """Rows strided so far apart that the last element lies past 2**31 - 2 run the general
+    form (``bwd_offsets_fit_32``: the constant forms' 32-bit arithmetic under
+    ``NORMSPEC_BWD_OFF32``); the bench's contiguous rows keep the constant form."""
+    args = (cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 232448)
+    assert ", 4, false, -1>" in cb.pipe_backward_launch(*args, (128, 128, 128, 0, 128, 128))[0]
+    far = cb.pipe_backward_launch(*args, (2048, 128, 128, 0, 128, 128))[0]
+    assert far.endswith("1, -1, false, -1>")
+
+
 def test_pipe_backward_switches(monkeypatch):
     monkeypatch.delenv("NORMSPEC_PIPE", raising=False)
     monkeypatch.delenv("NORMSPEC_GATE_TABLE", raising=False)
