@@ -42,12 +42,14 @@ sanitize() {  # sanitize NAME TOOL [VAR=VALUE ...]: one compute-sanitizer tool o
   run ${SANITIZER_LIMIT:-300} "$name" env "$@" compute-sanitizer --tool "$tool" \
     --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
 }
+xdist_workers() {  # pytest's -n TESTS_WORKERS (default 8) where pytest-xdist is installed
+  python3 -c "import xdist" 2>/dev/null && echo "-n ${TESTS_WORKERS:-8}"
+}
 run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
     tests)  # in TESTS_WORKERS processes (default 8) where pytest-xdist is installed
-      workers=""
-      python3 -c "import xdist" 2>/dev/null && workers="-n ${TESTS_WORKERS:-8}"
+      workers=$(xdist_workers)
       run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
         $workers ${TESTS_PATHS:-tests} ;;
     conformance)  # every backend; CONFORMANCE_ARGS e.g. "--quick"
@@ -157,8 +159,7 @@ for s in $stages; do
         --out "bench/results/sweeps/bwd_off32_${commit}.json"
       off32=NORMSPEC_BWD_OFF32=1
       run ${BUILD_LIMIT:-240} build-off32 env NORMSPEC_BUILD_DEFINES=$off32 normspec build
-      workers=""
-      python3 -c "import xdist" 2>/dev/null && workers="-n ${TESTS_WORKERS:-8}"
+      workers=$(xdist_workers)
       run ${TESTS_LIMIT:-200} pytest-cuda-off32 env NORMSPEC_BUILD_DEFINES=$off32 \
         python3 -m pytest -q -m cuda -p no:cacheprovider $workers tests/test_torch_ext_cuda.py ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
