@@ -9,7 +9,7 @@
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
-#   BACKWARD=1 adds the gated backward to the ncu stages; small-repeat's REPEAT_LIMIT bounds
+#   BACKWARD=1 adds the gated backward to the ncu stages; SKIP_BUILD=1 skips the first default build; small-repeat's REPEAT_LIMIT bounds
 #   each of its runs, REPEAT_AFTER_FLUSH picks them: "0", "1" (the default "0 1"), "w" warm)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
@@ -45,7 +45,8 @@ sanitize() {  # sanitize NAME TOOL [VAR=VALUE ...]: one compute-sanitizer tool o
 xdist_workers() {  # pytest's -n TESTS_WORKERS (default 8) where pytest-xdist is installed
   python3 -c "import xdist" 2>/dev/null && echo "-n ${TESTS_WORKERS:-8}"
 }
-run ${BUILD_LIMIT:-240} build normspec build
+# SKIP_BUILD=1: no default build first (stages that build their own, like bwd-off32)
+[ "${SKIP_BUILD:-0}" = 1 ] || run ${BUILD_LIMIT:-240} build normspec build
 for s in $stages; do
   case $s in
     tests)  # in TESTS_WORKERS processes (default 8) where pytest-xdist is installed
