@@ -1099,6 +1099,10 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // vllm gated backward 2^21 x 128, bench/results/ncu/backward_kernels_H200.csv): 434 warp
 // instructions a row-pair iteration against FLA's 341 M / 2^20 = 325, at the same 16 warps
 // per SM; about 100 of the loop's 599 static SASS are the next row's 64-bit bookkeeping.
+// Measured at bea5517 (H100, bench/results/sweeps/bwd_off32_bea5517.json, 2 rounds, equal
+// hashes): the gated backward gains 0.6 % (990.9 -> 985.4 us vllm, 993.4 -> 987.2 hf) for
+// 8 % fewer loop SASS, while the rms backward of 32768 x 2048 loses 4 % (159.5 -> 165.9 us,
+// both rounds) with 33 fewer: so it stays off (notes/perf.md §37).
 #ifndef NORMSPEC_BWD_OFF32
 #define NORMSPEC_BWD_OFF32 0
 #endif
