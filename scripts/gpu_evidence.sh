@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -110,6 +110,21 @@ for s in $stages; do
       cp "$OUT/ncu/gated_fwd_ours_sass.csv" "bench/results/ncu/gated_fwd_sass_${gpu}.csv" 2>/dev/null
       cp "$OUT/ncu/gated_fwd_peers_sass.csv" \
         "bench/results/ncu/gated_fwd_sass_torch_compile_${gpu}.csv" 2>/dev/null ;;
+    ncu-source-bwd)  # the gated backward's (vllm, 2^21 x 128) per-instruction stall samples:
+      # ours (OP 2 of the pipelined backward, named in full with --kernel-name-base demangled),
+      # then FLA's, the faster one (notes/perf.md §36-37); SASS pages as CSV, as ncu-source
+      mkdir -p "$OUT/ncu" bench/results/ncu
+      for who in ours fla; do
+        if [ $who = ours ]; then k='regex:normspec_bwd_pipe_kernel<2,'; a=--backward
+        else k='regex:layer_norm_gated_bwd'; a='--fla --backward'; fi
+        run ${NCU_LIMIT:-240} "ncu-source-bwd-$who" ncu --clock-control none \
+          --profile-from-start off --set full --import-source no --kernel-name-base demangled \
+          -k "$k" -c 1 -f -o "$OUT/ncu/gated_bwd_$who" python3 scripts/ncu_kernels.py $a
+        ncu -i "$OUT/ncu/gated_bwd_$who.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/ncu/gated_bwd_${who}_sass.csv" 2> "$OUT/ncu/gated_bwd_${who}_sass.err"
+        cp "$OUT/ncu/gated_bwd_${who}_sass.csv" \
+          "bench/results/ncu/gated_bwd_sass_${who}_${gpu}.csv" 2>/dev/null
+      done ;;
     launch-floor)  # a one-block kernel's start after the L2 flush by parameter and code size
       run ${MICRO_LIMIT:-120} launch-floor bash -c "nvcc -O3 -std=c++17 -arch=native \
         -fmad=false -Ibackends/csrc bench/micro/launch_floor.cu -o /tmp/launch_floor \

@@ -30,7 +30,7 @@ fi"""
 STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
                    "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
                    "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
-                   "TESTS_WORKERS", "OFF32_ROUNDS")
+                   "TESTS_WORKERS", "OFF32_ROUNDS", "SKIP_BUILD")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -172,3 +172,29 @@ def test_bwd_off32_times_both_builds_then_tests_the_switched_build(run_stage):
     tests = [ln for ln in lines if "pytest" in ln]
     assert len(tests) == 1 and "-m cuda" in tests[0]
     assert tests[0].endswith("tests/test_torch_ext_cuda.py")
+
+
+def test_skip_build_drops_only_the_first_default_build(run_stage):
+    lines = run_stage("bwd-off32", SKIP_BUILD="1")
+    builds = [i for i, ln in enumerate(lines) if ln == "normspec build"]
+    assert len(builds) == 1 and lines[builds[0] + 1] == "  defines=NORMSPEC_BWD_OFF32=1"
+
+
+def test_ncu_source_bwd_samples_our_gated_backward_then_fla_s(run_stage):
+    lines = run_stage("ncu-source-bwd")
+    profiles = [ln for ln in lines if ln.startswith("ncu ") and " -k " in ln]
+    assert len(profiles) == 2
+    ours, fla = profiles
+    for line in profiles:
+        assert "--set full" in line and "--kernel-name-base demangled" in line
+        assert " -c 1 " in line and "--profile-from-start off" in line
+    # the gated form of the pipelined backward by its first template argument (OP 2)
+    assert "-k regex:normspec_bwd_pipe_kernel<2, " in ours
+    assert ours.endswith("scripts/ncu_kernels.py --backward")
+    assert "-k regex:layer_norm_gated_bwd " in fla
+    assert fla.endswith("scripts/ncu_kernels.py --fla --backward")
+    pages = [ln for ln in lines if ln.startswith("ncu -i ")]
+    assert len(pages) == 2 and all("--page source --csv --print-source sass" in ln
+                                   for ln in pages)
+    for who in ("ours", "fla"):
+        assert (run_stage.tree / f"bench/results/ncu/gated_bwd_sass_{who}_H200.csv").exists()
