@@ -9,8 +9,9 @@
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
-#   BACKWARD=1 adds the gated backward to the ncu stages; SKIP_BUILD=1 skips the first default build; small-repeat's REPEAT_LIMIT bounds
-#   each of its runs, REPEAT_AFTER_FLUSH picks them: "0", "1" (the default "0 1"), "w" warm)
+#   BACKWARD=1 adds the gated backward to the ncu stages; SKIP_BUILD=1 skips the first
+#   default build; small-repeat's REPEAT_LIMIT bounds each of its runs, REPEAT_AFTER_FLUSH
+#   picks them: "0", "1" (the default "0 1"), "w" warm)
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #

@@ -360,8 +360,8 @@ def cuda_kernel_names(fn, attempts: int = 3) -> list[str]:
     the records between the two markers count. CUPTI before CUDA 13.1 can hand a
     session records of kernels that ran before it (with corrupt timestamps) and drop the
     session's first records (pytorch/pytorch#192021; CUPTI 13.1 release notes); the
-    device's CUDA 13.0 did both once in a full ``-m cuda`` run at ba25a44 (six tests saw
-    an earlier test's cast and tree kernels and not their own). A session whose records
+    device's CUDA 13.0 showed both at once in a full ``-m cuda`` run at ba25a44 (six
+    tests saw an earlier test's cast and tree kernels and not their own). A session whose records
     lack either marker is run again, up to ``attempts`` times; none is read as empty."""
     from torch.profiler import ProfilerActivity, profile
 
