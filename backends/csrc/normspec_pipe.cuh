@@ -1106,6 +1106,17 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_BWD_OFF32
 #define NORMSPEC_BWD_OFF32 0
 #endif
+// NORMSPEC_BWD_DEPTH2 (build time, default 0; an experiment, notes/perf.md §38): the
+// pipelined backward's gate-table constant forms (GC >= 0, the gated bf16 launches) keep two
+// rows in flight per team instead of one: while a row is computed, the next one's loads
+// have been issued a row earlier and the one after it is issued now. ncu at ee94569 had the
+// vllm gated backward at the same 16 warps per SM as FLA's faster kernel, which "has more
+// independent loads in flight per warp" (§13); the ninth session's two-rows-ahead form of
+// this loop (§14) was lost before it was timed. The same device functions compute every
+// value from the same inputs, so the bits cannot change; only when loads issue does.
+#ifndef NORMSPEC_BWD_DEPTH2
+#define NORMSPEC_BWD_DEPTH2 0
+#endif
 // The index type of the backward's row arithmetic: int where NORMSPEC_BWD_OFF32 applies.
 template <bool B>
 struct BwdIndex {
@@ -1458,22 +1469,36 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   uint4 cx[NP], cr[NP], cdy[NP], cdr[NP], nx[NP], nr[NP], ndy[NP], ndr[NP];
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   float nrs = 1.0f;  // the next row's saved rstd
-  auto prefetch = [&](Idx row) {
-    if constexpr (SAVED) nrs = __ldg(rstd_in + row);
+  // one row's loads into a row set (the next row's: nx, nr, ndy, ndr, nrs)
+  auto load_set = [&](Idx row, uint4(&bx)[NP], uint4(&br)[NP], uint4(&bdy)[NP],
+                      uint4(&bdr)[NP], float& brs) {
+    if constexpr (SAVED) brs = __ldg(rstd_in + row);
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = p * S + tcol;
-      nx[p] = load_raw<T>(x + row * ox, col, Hc);
-      if (TWO) nr[p] = load_raw<T>(r + row * orr, col, Hc);
-      ndy[p] = load_raw<T>(dy + row * ody, col, Hc);
-      if (DRES) ndr[p] = load_raw<T>(dres + row * odr, col, Hc);
+      bx[p] = load_raw<T>(x + row * ox, col, Hc);
+      if (TWO) br[p] = load_raw<T>(r + row * orr, col, Hc);
+      bdy[p] = load_raw<T>(dy + row * ody, col, Hc);
+      if (DRES) bdr[p] = load_raw<T>(dres + row * odr, col, Hc);
     }
   };
+  auto prefetch = [&](Idx row) { load_set(row, nx, nr, ndy, ndr, nrs); };
+  // NORMSPEC_BWD_DEPTH2: the row after the next one (a second row set, GC forms only)
+  constexpr bool DEPTH2 = NORMSPEC_BWD_DEPTH2 != 0 && GCONST;
+  uint4 mx[NP], mr[NP], mdy[NP], mdr[NP];
+  float mrs = 1.0f;
 #pragma unroll
-  for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = zero;
+  for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = mx[p] = mr[p] = mdy[p] = mdr[p] = zero;
   {
     const Idx gi = lead + mine;
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
+    if constexpr (DEPTH2) {  // the team's second row: the group's next, or the next group's first
+      if (R > 1) {
+        if (gi < groups && gi * R + 1 < nrows) load_set(gi * R + 1, mx, mr, mdy, mdr, mrs);
+      } else if (gi + nslots < groups) {
+        load_set((gi + nslots) * R, mx, mr, mdy, mdr, mrs);
+      }
+    }
   }
   // the weight factors and the gate table while the first rows are in flight
   if constexpr (FULL) {
@@ -1502,7 +1527,36 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
         cdr[p] = active ? ndr[p] : zero;
       }
       const float crs = active ? nrs : 1.0f;
-      if (nactive) prefetch(nrow);
+      if constexpr (DEPTH2) {
+        // the next row's set was loaded a row ago; the row after it is loaded now. A row
+        // exists (its loads were issued) exactly when it is active where it is computed.
+        Idx mrow;
+        bool mactive;
+        if (j + 2 < R) {
+          mrow = row + 2;
+          mactive = group_ok && mrow < nrows;
+        } else if (j + 1 < R) {  // the next row is the group's last
+          mrow = (gi + nslots) * R;
+          mactive = gi + nslots < groups;
+        } else if (R > 1) {  // this row is the group's last: the next group's second row
+          mrow = (gi + nslots) * R + 1;
+          mactive = gi + nslots < groups && mrow < nrows;
+        } else {  // one row a group: the group after the next
+          mrow = (gi + nslots + nslots) * R;
+          mactive = gi + nslots + nslots < groups;
+        }
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          nx[p] = mx[p];
+          nr[p] = mr[p];
+          ndy[p] = mdy[p];
+          ndr[p] = mdr[p];
+        }
+        nrs = mrs;
+        if (mactive) load_set(mrow, mx, mr, mdy, mdr, mrs);
+      } else {
+        if (nactive) prefetch(nrow);
+      }
 
       // the saved rstd, or the row's reduction (inactive rows: any finite value)
       // Each reduction takes the other half of red than the one before, so that a warp
