@@ -411,6 +411,31 @@ def test_backward_constant_forms_offsets_in_32_bits_experiment(
     assert re.search(_ROW_ARITHMETIC_64, general)
 
 
+#: One row's three 128-bit loads (x, the gate, dy) of the gated backward, as PTX issues them
+#: from global memory (the weight's are read-only loads of another width, the rstd's a scalar).
+_ROW_VECTOR_LOADS = r"\bld\.global\S*\.v4\.u32\b"
+
+
+@needs_nvcc
+def test_backward_two_rows_ahead_experiment(tmp_path):
+    """``NORMSPEC_BWD_DEPTH2=1`` (an experiment, off by default; notes/perf.md §38): the
+    gate-table constant forms load a second row set (the team's second row before the loop,
+    the row after the next one in it), so their PTX has two more sites of a row's three
+    vector loads; the general form is the same PTX with or without it."""
+    (tmp_path / "default").mkdir()
+    (tmp_path / "depth2").mkdir()
+    default = _ptx_of(tmp_path / "default", GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false")
+    depth2 = _ptx_of(tmp_path / "depth2", GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false",
+                     "-DNORMSPEC_BWD_DEPTH2=1")
+    loads = [len(re.findall(_ROW_VECTOR_LOADS, _entry(ptx, "Li1ELi4ELb1ELi0EE")))
+             for ptx in (default, depth2)]
+    assert loads[0] >= 6 and loads[1] == loads[0] + 6, loads
+    # (internal names carry a hash of the compilation: not the code)
+    general = [re.sub(r"_INTERNAL_\w+?_probe_cu_[0-9a-f]+", "", _entry(ptx, "Li1ELin1ELb1ELin1EE"))
+               for ptx in (default, depth2)]
+    assert general[0] == general[1]
+
+
 OFFSETS_FIT_MAIN = r"""
 #include "normspec_launch_impl.cuh"
 #include <cstdio>
