@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -42,6 +42,21 @@ sanitize() {  # sanitize NAME TOOL [VAR=VALUE ...]: one compute-sanitizer tool o
   local name=$1 tool=$2; shift 2
   run ${SANITIZER_LIMIT:-300} "$name" env "$@" compute-sanitizer --tool "$tool" \
     --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
+}
+backward_switch_ab() {  # backward_switch_ab NAME DEFINE ROUNDS: a build-time switch of the
+  # backward (DEFINE=1) against the default in the micro harness, the gated 2^21 x 128
+  # included (ab.py checks that y, dx, dweight and dgate hash alike), into
+  # bench/results/sweeps/bwd_NAME_<commit>.json; then the extension built with it runs its
+  # CUDA tests
+  local name=$1 define=$2 rounds=$3
+  mkdir -p bench/results/sweeps
+  run ${MICRO_LIMIT:-300} "bwd-$name" python3 bench/micro/ab.py \
+    bench/micro/small_backward_ab.cu --build "" "--build=-D$define=1" \
+    --env NORMSPEC_AB_GATED=1 --rounds "$rounds" \
+    --out "bench/results/sweeps/bwd_${name}_${commit}.json"
+  run ${BUILD_LIMIT:-240} "build-$name" env "NORMSPEC_BUILD_DEFINES=$define=1" normspec build
+  run ${TESTS_LIMIT:-200} "pytest-cuda-$name" env "NORMSPEC_BUILD_DEFINES=$define=1" \
+    python3 -m pytest -q -m cuda -p no:cacheprovider $(xdist_workers) tests/test_torch_ext_cuda.py
 }
 xdist_workers() {  # pytest's -n TESTS_WORKERS (default 8) where pytest-xdist is installed
   python3 -c "import xdist" 2>/dev/null && echo "-n ${TESTS_WORKERS:-8}"
@@ -166,19 +181,11 @@ for s in $stages; do
         --env "" --env NORMSPEC_AB_FLUSH_MIB=1 --rounds ${WARP_TEAM_ROUNDS:-3} \
         --out "bench/results/sweeps/warp_team_${commit}.json" ;;
     bwd-off32)  # the pipelined backward's constant forms with 32-bit row and offset
-      # arithmetic (NORMSPEC_BWD_OFF32=1, an experiment; notes/perf.md §36) against the
-      # default in the micro harness, the gated 2^21 x 128 included (ab.py checks that y, dx,
-      # dweight and dgate hash alike); then the extension built with it runs its CUDA tests
-      mkdir -p bench/results/sweeps
-      run ${MICRO_LIMIT:-300} bwd-off32 python3 bench/micro/ab.py \
-        bench/micro/small_backward_ab.cu --build "" --build=-DNORMSPEC_BWD_OFF32=1 \
-        --env NORMSPEC_AB_GATED=1 --rounds ${OFF32_ROUNDS:-3} \
-        --out "bench/results/sweeps/bwd_off32_${commit}.json"
-      off32=NORMSPEC_BWD_OFF32=1
-      run ${BUILD_LIMIT:-240} build-off32 env NORMSPEC_BUILD_DEFINES=$off32 normspec build
-      workers=$(xdist_workers)
-      run ${TESTS_LIMIT:-200} pytest-cuda-off32 env NORMSPEC_BUILD_DEFINES=$off32 \
-        python3 -m pytest -q -m cuda -p no:cacheprovider $workers tests/test_torch_ext_cuda.py ;;
+      # arithmetic (NORMSPEC_BWD_OFF32=1, an experiment; notes/perf.md §36) against the default
+      backward_switch_ab off32 NORMSPEC_BWD_OFF32 ${OFF32_ROUNDS:-3} ;;
+    bwd-depth2)  # the gated backward's gate-table forms two rows ahead (NORMSPEC_BWD_DEPTH2=1,
+      # an experiment; notes/perf.md §38) against the default
+      backward_switch_ab depth2 NORMSPEC_BWD_DEPTH2 ${DEPTH2_ROUNDS:-3} ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
       # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1

@@ -30,7 +30,7 @@ fi"""
 STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
                    "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
                    "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
-                   "TESTS_WORKERS", "OFF32_ROUNDS", "SKIP_BUILD")
+                   "TESTS_WORKERS", "OFF32_ROUNDS", "DEPTH2_ROUNDS", "SKIP_BUILD")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -160,15 +160,22 @@ def test_ncu_profile_refuses_liger_with_another_choice(run_stage, env):
     assert done.returncode == 2 and "LIGER=1" in done.stderr
 
 
-def test_bwd_off32_times_both_builds_then_tests_the_switched_build(run_stage):
-    lines = run_stage("bwd-off32")
+@pytest.mark.parametrize(("stage", "define", "rounds"), [
+    ("bwd-off32", "NORMSPEC_BWD_OFF32", "OFF32_ROUNDS"),
+    ("bwd-depth2", "NORMSPEC_BWD_DEPTH2", "DEPTH2_ROUNDS"),
+])
+def test_backward_switch_times_both_builds_then_tests_the_switched_build(
+        run_stage, stage, define, rounds):
+    lines = run_stage(stage, **{rounds: "2"})
     ab = [ln for ln in lines if "bench/micro/ab.py" in ln]
     assert len(ab) == 1
-    assert "--build=-DNORMSPEC_BWD_OFF32=1" in ab[0] and "--env NORMSPEC_AB_GATED=1" in ab[0]
-    assert ab[0].endswith("--out bench/results/sweeps/bwd_off32_abc1234.json")
+    assert f"--build=-D{define}=1" in ab[0] and "--env NORMSPEC_AB_GATED=1" in ab[0]
+    assert "--rounds 2 " in ab[0]
+    name = stage.removeprefix("bwd-")
+    assert ab[0].endswith(f"--out bench/results/sweeps/bwd_{name}_abc1234.json")
     # the default build first (stage "build"), then the switched one, whose tests follow
     builds = [i for i, ln in enumerate(lines) if ln == "normspec build"]
-    assert len(builds) == 2 and lines[builds[1] + 1] == "  defines=NORMSPEC_BWD_OFF32=1"
+    assert len(builds) == 2 and lines[builds[1] + 1] == f"  defines={define}=1"
     tests = [ln for ln in lines if "pytest" in ln]
     assert len(tests) == 1 and "-m cuda" in tests[0]
     assert tests[0].endswith("tests/test_torch_ext_cuda.py")
