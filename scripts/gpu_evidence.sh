@@ -15,23 +15,29 @@
 # A copy of the tree without .git should be given NORMSPEC_GIT_COMMIT (and
 # NORMSPEC_GIT_DIRTY=1 if it had changes) so that the reports name their commit.
 #
-# Each stage has a time limit so that a slow stage cannot eat the others; logs
-# and a tarball of the results go to $OUT (default: ./gpu-evidence).
+# Each stage has a time limit so that a slow stage cannot eat the others. $OUT
+# (default: ./gpu-evidence) gets summary.log, evidence.tgz (reports/ and bench/results/)
+# and logs.tgz (every stage's log, from a folder outside $OUT), both refreshed after
+# every stage: the device tool brings back at most 8 files from $OUT, in name order, and
+# a run of many stages left one loose log per stage there (the ncu stages add their
+# reports under $OUT/ncu).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-evidence}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpu-evidence-logs.XXXXXX")
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} COLUMNS=200
 stages=${*:-tests conformance bench conformance-ours compare}
 run() {  # run LIMIT NAME CMD...: time-limited stage with its log
   local limit=$1 name=$2; shift 2
   echo "=== $name: $*" | tee -a "$OUT/summary.log"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$LOGS/$name.log"
   # keep what exists so far, in case a later stage outlives the lease
   tar czf "$OUT/evidence.tgz" reports bench/results 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
 # the GPU's name as the committed ncu CSVs are named (H200 for "NVIDIA H200")
@@ -193,7 +199,7 @@ for s in $stages; do
       mkdir -p bench/results/probes
       for tool in racecheck synccheck; do
         sanitize "$tool" "$tool"
-        cp "$OUT/$tool.log" "bench/results/probes/${tool}_${commit}.txt" 2>/dev/null
+        cp "$LOGS/$tool.log" "bench/results/probes/${tool}_${commit}.txt" 2>/dev/null
       done
       if [ "${RACECHECK_PLANTED:-0}" = 1 ]; then
         # the checker checked: a build with the race 8275b61 fixed put back, which racecheck
@@ -201,7 +207,7 @@ for s in $stages; do
         planted=NORMSPEC_BWD_SAVED_SAME_HALF=1
         run ${BUILD_LIMIT:-240} build-planted env NORMSPEC_BUILD_DEFINES=$planted normspec build
         sanitize racecheck-planted racecheck NORMSPEC_BUILD_DEFINES=$planted
-        cp "$OUT/racecheck-planted.log" \
+        cp "$LOGS/racecheck-planted.log" \
           "bench/results/probes/racecheck_planted_${commit}.txt" 2>/dev/null
       fi ;;
     code-warmth)  # the small rms backward after the flush with its code, data or pages warmed

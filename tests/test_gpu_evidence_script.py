@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,21 @@ def test_backward_switch_times_both_builds_then_tests_the_switched_build(
     tests = [ln for ln in lines if "pytest" in ln]
     assert len(tests) == 1 and "-m cuda" in tests[0]
     assert tests[0].endswith("tests/test_torch_ext_cuda.py")
+
+
+def test_out_holds_few_files_and_the_logs_in_one_tarball(run_stage, tmp_path):
+    """The device tool brings back at most 8 files from $OUT: a run of many stages leaves
+    summary.log, evidence.tgz and logs.tgz there, the tarball holding each stage's log."""
+    run_stage("bwd-off32", "bwd-depth2", "racecheck", RACECHECK_PLANTED="1")
+    out = tmp_path / "out"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["evidence.tgz", "logs.tgz", "summary.log"]
+    with tarfile.open(out / "logs.tgz") as tar:
+        logs = {Path(n).name for n in tar.getnames()}
+    assert {"build.log", "bwd-off32.log", "bwd-depth2.log", "pytest-cuda-depth2.log",
+            "racecheck.log", "racecheck-planted.log"} <= logs
+    # the sanitizer's logs still reach bench/results/probes
+    assert (run_stage.tree / "bench/results/probes/racecheck_abc1234.txt").exists()
 
 
 def test_skip_build_drops_only_the_first_default_build(run_stage):
