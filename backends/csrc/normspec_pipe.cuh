@@ -1109,11 +1109,13 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // NORMSPEC_BWD_DEPTH2 (build time, default 0; an experiment, notes/perf.md §38): the
 // pipelined backward's gate-table constant forms (GC >= 0, the gated bf16 launches) keep two
 // rows in flight per team instead of one: while a row is computed, the next one's loads
-// have been issued a row earlier and the one after it is issued now. ncu at ee94569 had the
-// vllm gated backward at the same 16 warps per SM as FLA's faster kernel, which "has more
-// independent loads in flight per warp" (§13); the ninth session's two-rows-ahead form of
-// this loop (§14) was lost before it was timed. The same device functions compute every
-// value from the same inputs, so the bits cannot change; only when loads issue does.
+// have been issued a row earlier and the one after it is issued now. FLA's faster kernel
+// runs at the same 16 warps per SM and issues two rows' loads per lane at once (its SASS,
+// bench/results/ncu/gated_bwd_sass_fla_H200.csv: 48 KiB in flight per SM against our 24);
+// the ninth session's two-rows-ahead form of this loop (notes §14) was lost before it was
+// timed. The same device functions compute every value from the same inputs, so the bits
+// cannot change (on an H200 the bench shape's dx, dgate and dweight hash alike, §38); only
+// when loads issue does.
 #ifndef NORMSPEC_BWD_DEPTH2
 #define NORMSPEC_BWD_DEPTH2 0
 #endif
@@ -1488,7 +1490,10 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   uint4 mx[NP], mr[NP], mdy[NP], mdr[NP];
   float mrs = 1.0f;
 #pragma unroll
-  for (int p = 0; p < NP; ++p) nx[p] = nr[p] = ndy[p] = ndr[p] = mx[p] = mr[p] = mdy[p] = mdr[p] = zero;
+  for (int p = 0; p < NP; ++p) {
+    nx[p] = nr[p] = ndy[p] = ndr[p] = zero;
+    mx[p] = mr[p] = mdy[p] = mdr[p] = zero;
+  }
   {
     const Idx gi = lead + mine;
     if (gi < groups) prefetch(gi * R);  // row gi * R < rows for every group
