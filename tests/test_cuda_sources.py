@@ -403,8 +403,12 @@ def test_backward_constant_forms_offsets_in_32_bits_experiment(
     """``NORMSPEC_BWD_OFF32=1`` (an experiment, off by default; notes/perf.md §36): the
     pipelined backward's constant forms do their row, group and offset arithmetic in int,
     so their PTX has no 64-bit multiply or compare left; the general form keeps its 64-bit
-    rows either way (the launcher sends it what does not fit in 32 bits)."""
-    ptx = _ptx_of(tmp_path, GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false", *flags)
+    rows either way (the launcher sends it what does not fit in 32 bits). Measured, and held
+    here, with one row ahead (``NORMSPEC_BWD_DEPTH2=0``): with two, the default since
+    session 34, the team's slot count (Team::nslots, gridDim.x * blockDim.x) keeps its one
+    64-bit multiply in the PTX of the off32 form."""
+    ptx = _ptx_of(tmp_path, GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false",
+                  "-DNORMSPEC_BWD_DEPTH2=0", *flags)
     constant = _entry(ptx, "Li1ELi4ELb1ELi0EE")
     general = _entry(ptx, "Li1ELin1ELb1ELin1EE")
     assert bool(re.search(_ROW_ARITHMETIC_64, constant)) == constant_form_in_64_bits
@@ -417,22 +421,23 @@ _ROW_VECTOR_LOADS = r"\bld\.global\S*\.v4\.u32\b"
 
 
 @needs_nvcc
-def test_backward_two_rows_ahead_experiment(tmp_path):
-    """``NORMSPEC_BWD_DEPTH2=1`` (an experiment, off by default; notes/perf.md §38): the
+def test_backward_two_rows_ahead_by_default(tmp_path):
+    """``NORMSPEC_BWD_DEPTH2`` (on by default since 438c41d's A/B; notes/perf.md §39): the
     gate-table constant forms load a second row set (the team's second row before the loop,
     the row after the next one in it), so their PTX has two more sites of a row's three
-    vector loads; the general form is the same PTX with or without it."""
+    vector loads than with ``=0`` (one row ahead); the general form is the same PTX either
+    way."""
     (tmp_path / "default").mkdir()
-    (tmp_path / "depth2").mkdir()
+    (tmp_path / "depth1").mkdir()
     default = _ptx_of(tmp_path / "default", GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false")
-    depth2 = _ptx_of(tmp_path / "depth2", GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false",
-                     "-DNORMSPEC_BWD_DEPTH2=1")
+    depth1 = _ptx_of(tmp_path / "depth1", GATED_BACKWARD_PROBE, "sm_90a", "-fmad=false",
+                     "-DNORMSPEC_BWD_DEPTH2=0")
     loads = [len(re.findall(_ROW_VECTOR_LOADS, _entry(ptx, "Li1ELi4ELb1ELi0EE")))
-             for ptx in (default, depth2)]
+             for ptx in (depth1, default)]
     assert loads[0] >= 6 and loads[1] == loads[0] + 6, loads
     # (internal names carry a hash of the compilation: not the code)
     general = [re.sub(r"_INTERNAL_\w+?_probe_cu_[0-9a-f]+", "", _entry(ptx, "Li1ELin1ELb1ELin1EE"))
-               for ptx in (default, depth2)]
+               for ptx in (depth1, default)]
     assert general[0] == general[1]
 
 
