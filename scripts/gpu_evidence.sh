@@ -49,19 +49,19 @@ sanitize() {  # sanitize NAME TOOL [VAR=VALUE ...]: one compute-sanitizer tool o
   run ${SANITIZER_LIMIT:-300} "$name" env "$@" compute-sanitizer --tool "$tool" \
     --kernel-name kns=normspec --error-exitcode 1 python3 scripts/sanitize_small.py
 }
-backward_switch_ab() {  # backward_switch_ab NAME DEFINE ROUNDS: a build-time switch of the
-  # backward (DEFINE=1) against the default in the micro harness, the gated 2^21 x 128
-  # included (ab.py checks that y, dx, dweight and dgate hash alike), into
-  # bench/results/sweeps/bwd_NAME_<commit>.json; then the extension built with it runs its
-  # CUDA tests
-  local name=$1 define=$2 rounds=$3
+backward_switch_ab() {  # backward_switch_ab NAME SETTING ROUNDS: a build-time switch of the
+  # backward (SETTING, e.g. NORMSPEC_BWD_OFF32=1) against the default in the micro harness,
+  # the gated 2^21 x 128 included (ab.py checks that y, dx, dweight and dgate hash alike),
+  # into bench/results/sweeps/bwd_NAME_<commit>.json; then the extension built with it runs
+  # its CUDA tests
+  local name=$1 setting=$2 rounds=$3
   mkdir -p bench/results/sweeps
   run ${MICRO_LIMIT:-300} "bwd-$name" python3 bench/micro/ab.py \
-    bench/micro/small_backward_ab.cu --build "" "--build=-D$define=1" \
+    bench/micro/small_backward_ab.cu --build "" "--build=-D$setting" \
     --env NORMSPEC_AB_GATED=1 --rounds "$rounds" \
     --out "bench/results/sweeps/bwd_${name}_${commit}.json"
-  run ${BUILD_LIMIT:-240} "build-$name" env "NORMSPEC_BUILD_DEFINES=$define=1" normspec build
-  run ${TESTS_LIMIT:-200} "pytest-cuda-$name" env "NORMSPEC_BUILD_DEFINES=$define=1" \
+  run ${BUILD_LIMIT:-240} "build-$name" env "NORMSPEC_BUILD_DEFINES=$setting" normspec build
+  run ${TESTS_LIMIT:-200} "pytest-cuda-$name" env "NORMSPEC_BUILD_DEFINES=$setting" \
     python3 -m pytest -q -m cuda -p no:cacheprovider $(xdist_workers) tests/test_torch_ext_cuda.py
 }
 xdist_workers() {  # pytest's -n TESTS_WORKERS (default 8) where pytest-xdist is installed
@@ -133,11 +133,12 @@ for s in $stages; do
       cp "$OUT/ncu/gated_fwd_peers_sass.csv" \
         "bench/results/ncu/gated_fwd_sass_torch_compile_${gpu}.csv" 2>/dev/null ;;
     ncu-source-bwd)  # the gated backward's (vllm, 2^21 x 128) per-instruction stall samples:
-      # ours (OP 2 of the pipelined backward, named in full with --kernel-name-base demangled),
+      # ours (OP 2 of the pipelined backward, named in full with --kernel-name-base demangled,
+      # which on the H200's ncu reads 'normspec_bwd_pipe_kernel<(int)2, ...'),
       # then FLA's, the faster one (notes/perf.md §36-37); SASS pages as CSV, as ncu-source
       mkdir -p "$OUT/ncu" bench/results/ncu
       for who in ours fla; do
-        if [ $who = ours ]; then k='regex:normspec_bwd_pipe_kernel<2,'; a=--backward
+        if [ $who = ours ]; then k='regex:normspec_bwd_pipe_kernel<(.int.)?2,'; a=--backward
         else k='regex:layer_norm_gated_bwd'; a='--fla --backward'; fi
         run ${NCU_LIMIT:-240} "ncu-source-bwd-$who" ncu --clock-control none \
           --profile-from-start off --set full --import-source no --kernel-name-base demangled \
@@ -188,10 +189,10 @@ for s in $stages; do
         --out "bench/results/sweeps/warp_team_${commit}.json" ;;
     bwd-off32)  # the pipelined backward's constant forms with 32-bit row and offset
       # arithmetic (NORMSPEC_BWD_OFF32=1, an experiment; notes/perf.md §36) against the default
-      backward_switch_ab off32 NORMSPEC_BWD_OFF32 ${OFF32_ROUNDS:-3} ;;
-    bwd-depth2)  # the gated backward's gate-table forms two rows ahead (NORMSPEC_BWD_DEPTH2=1,
-      # an experiment; notes/perf.md §38) against the default
-      backward_switch_ab depth2 NORMSPEC_BWD_DEPTH2 ${DEPTH2_ROUNDS:-3} ;;
+      backward_switch_ab off32 NORMSPEC_BWD_OFF32=1 ${OFF32_ROUNDS:-3} ;;
+    bwd-depth2)  # the gated backward's gate-table forms one row ahead (NORMSPEC_BWD_DEPTH2=0)
+      # against the default, two rows ahead since 438c41d's A/B (notes/perf.md §38-§39)
+      backward_switch_ab depth2 NORMSPEC_BWD_DEPTH2=0 ${DEPTH2_ROUNDS:-3} ;;
     racecheck)  # compute-sanitizer's racecheck, then synccheck, over our kernels (normspec*)
       # on scripts/sanitize_small.py's work; a hazard fails the stage (exit 1), and each
       # tool's log is kept in bench/results/probes/<tool>_<commit>.txt; RACECHECK_PLANTED=1

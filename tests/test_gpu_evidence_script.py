@@ -6,6 +6,7 @@ their arguments (no GPU, nothing of the repository written)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -161,22 +162,23 @@ def test_ncu_profile_refuses_liger_with_another_choice(run_stage, env):
     assert done.returncode == 2 and "LIGER=1" in done.stderr
 
 
-@pytest.mark.parametrize(("stage", "define", "rounds"), [
-    ("bwd-off32", "NORMSPEC_BWD_OFF32", "OFF32_ROUNDS"),
-    ("bwd-depth2", "NORMSPEC_BWD_DEPTH2", "DEPTH2_ROUNDS"),
+@pytest.mark.parametrize(("stage", "setting", "rounds"), [
+    ("bwd-off32", "NORMSPEC_BWD_OFF32=1", "OFF32_ROUNDS"),
+    # two rows ahead is the default since 438c41d's A/B: the stage times one row ahead
+    ("bwd-depth2", "NORMSPEC_BWD_DEPTH2=0", "DEPTH2_ROUNDS"),
 ])
 def test_backward_switch_times_both_builds_then_tests_the_switched_build(
-        run_stage, stage, define, rounds):
+        run_stage, stage, setting, rounds):
     lines = run_stage(stage, **{rounds: "2"})
     ab = [ln for ln in lines if "bench/micro/ab.py" in ln]
     assert len(ab) == 1
-    assert f"--build=-D{define}=1" in ab[0] and "--env NORMSPEC_AB_GATED=1" in ab[0]
+    assert f"--build=-D{setting}" in ab[0] and "--env NORMSPEC_AB_GATED=1" in ab[0]
     assert "--rounds 2 " in ab[0]
     name = stage.removeprefix("bwd-")
     assert ab[0].endswith(f"--out bench/results/sweeps/bwd_{name}_abc1234.json")
     # the default build first (stage "build"), then the switched one, whose tests follow
     builds = [i for i, ln in enumerate(lines) if ln == "normspec build"]
-    assert len(builds) == 2 and lines[builds[1] + 1] == f"  defines={define}=1"
+    assert len(builds) == 2 and lines[builds[1] + 1] == f"  defines={setting}"
     tests = [ln for ln in lines if "pytest" in ln]
     assert len(tests) == 1 and "-m cuda" in tests[0]
     assert tests[0].endswith("tests/test_torch_ext_cuda.py")
@@ -212,7 +214,11 @@ def test_ncu_source_bwd_samples_our_gated_backward_then_fla_s(run_stage):
         assert "--set full" in line and "--kernel-name-base demangled" in line
         assert " -c 1 " in line and "--profile-from-start off" in line
     # the gated form of the pipelined backward by its first template argument (OP 2)
-    assert "-k regex:normspec_bwd_pipe_kernel<2, " in ours
+    # ncu's demangled names read "normspec_bwd_pipe_kernel<(int)2, ..." (H200, 438c41d)
+    assert "-k regex:normspec_bwd_pipe_kernel<(.int.)?2, " in ours
+    pattern = re.compile(ours.split("-k regex:")[1].split(" ")[0])
+    seen = "void normspec_bwd_pipe_kernel<(int){}, __nv_bfloat16, (int)1, (int)4, (bool)1, (int)0>"
+    assert pattern.search(seen.format(2)) and not pattern.search(seen.format(0))
     assert ours.endswith("scripts/ncu_kernels.py --backward")
     assert "-k regex:layer_norm_gated_bwd " in fla
     assert fla.endswith("scripts/ncu_kernels.py --fla --backward")
