@@ -1117,8 +1117,6 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // issue does. Measured at 438c41d (H200, bench/results/sweeps/bwd_depth2_438c41d.json,
 // 3 rounds): the gated backward gains in every round, 770.6 -> 765.1 us (vllm) and
 // 775.4 -> 771.7 us (hf), and no other kernel's SASS changes. =0 keeps one row ahead.
-// =2 (an experiment, session 34): the same two rows, in two row sets that trade roles
-// row by row instead of one copied into the other (see the kernel's loop).
 #ifndef NORMSPEC_BWD_DEPTH2
 #define NORMSPEC_BWD_DEPTH2 1
 #endif
@@ -1489,7 +1487,7 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   };
   auto prefetch = [&](Idx row) { load_set(row, nx, nr, ndy, ndr, nrs); };
   // NORMSPEC_BWD_DEPTH2: the row after the next one (a second row set, GC forms only)
-  constexpr bool DEPTH2 = NORMSPEC_BWD_DEPTH2 != 0 && GCONST;  // =2: see below the loop
+  constexpr bool DEPTH2 = NORMSPEC_BWD_DEPTH2 != 0 && GCONST;
   uint4 mx[NP], mr[NP], mdy[NP], mdr[NP];
   float mrs = 1.0f;
 #pragma unroll
@@ -1518,12 +1516,6 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   if (table) fill_act_grad_table(tab, sig);
   __syncthreads();
   int buf = 0;
-#if NORMSPEC_BWD_DEPTH2 == 2
-  // one row's work from the row set c* (its loads, zero where the row is not active): the
-  // rstd, dgate, the dweight push and dx (a lambda only in this experiment's builds, so
-  // that the other builds' SASS stays as measured)
-  auto compute_row = [&](Idx gi, Idx j, bool group_ok, Idx row, bool active, float crs) {
-#else
   for (Idx g0 = lead; g0 < groups; g0 += nslots) {
     const Idx gi = g0 + mine;
     const bool group_ok = gi < groups;
@@ -1572,7 +1564,6 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
         if (nactive) prefetch(nrow);
       }
 
-#endif
       // the saved rstd, or the row's reduction (inactive rows: any finite value)
       // Each reduction takes the other half of red than the one before, so that a warp
       // writing its partial never meets one still reading the last reduction's (the
@@ -1692,79 +1683,8 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
           }
         }
       }
-#if NORMSPEC_BWD_DEPTH2 == 2
-  };
-  if constexpr (GCONST) {
-    // NORMSPEC_BWD_DEPTH2=2: the n set holds the team's first row and the m set its second
-    // (loaded above); each row is computed from its set, which then takes the row two
-    // ahead. The loop does two rows an iteration, one from each set, so the sets trade
-    // roles without a copy: with =1 the compiler moves the m set into the n set at every
-    // row's start, and that move waits for the loads issued one row earlier (ncu,
-    // bench/results/ncu/gated_bwd_sass_ours_H200.csv: 28 % of the stall samples on it).
-    // The team's sequence of rows: (g0, j) is group g0 + mine's j-th row.
-    auto step = [&](Idx& g0, Idx& j) {
-      if (j + 1 < R) {
-        ++j;
-      } else {
-        j = 0;
-        g0 += nslots;
-      }
-    };
-    auto row_from = [&](Idx g0, Idx j, uint4(&bx)[NP], uint4(&br)[NP], uint4(&bdy)[NP],
-                        uint4(&bdr)[NP], float& brs) {
-      const Idx gi = g0 + mine;
-      const bool group_ok = gi < groups;
-      const Idx row = gi * R + j;
-      const bool active = group_ok && row < nrows;
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        cx[p] = active ? bx[p] : zero;
-        cr[p] = active ? br[p] : zero;
-        cdy[p] = active ? bdy[p] : zero;
-        cdr[p] = active ? bdr[p] : zero;
-      }
-      const float crs = active ? brs : 1.0f;
-      Idx g2 = g0, j2 = j;  // the row two ahead
-      step(g2, j2);
-      step(g2, j2);
-      const Idx gi2 = g2 + mine;
-      if (gi2 < groups && gi2 * R + j2 < nrows) load_set(gi2 * R + j2, bx, br, bdy, bdr, brs);
-      compute_row(gi, j, group_ok, row, active, crs);
-    };
-    Idx g0 = lead, j = 0;
-    while (g0 < groups) {  // block-uniform, as the barriers in compute_row need
-      row_from(g0, j, nx, nr, ndy, ndr, nrs);
-      step(g0, j);
-      if (g0 >= groups) break;
-      row_from(g0, j, mx, mr, mdy, mdr, mrs);
-      step(g0, j);
-    }
-  } else {  // one row ahead, as with =0
-    for (Idx g0 = lead; g0 < groups; g0 += nslots) {
-      const Idx gi = g0 + mine;
-      const bool group_ok = gi < groups;
-      for (Idx j = 0; j < R; ++j) {
-        const Idx row = gi * R + j;
-        const bool active = group_ok && row < nrows;
-        const Idx nrow = (j + 1 < R) ? row + 1 : (gi + nslots) * R;
-        const bool nactive = (j + 1 < R) ? (group_ok && nrow < nrows) : (gi + nslots < groups);
-#pragma unroll
-        for (int p = 0; p < NP; ++p) {
-          cx[p] = active ? nx[p] : zero;
-          cr[p] = active ? nr[p] : zero;
-          cdy[p] = active ? ndy[p] : zero;
-          cdr[p] = active ? ndr[p] : zero;
-        }
-        const float crs = active ? nrs : 1.0f;
-        if (nactive) prefetch(nrow);
-        compute_row(gi, j, group_ok, row, active, crs);
-      }
     }
   }
-#else
-    }
-  }
-#endif
 }
 
 // The rms backward of one row per team, without the pipelined kernel's machinery: no
