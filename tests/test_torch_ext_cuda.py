@@ -312,7 +312,8 @@ def test_opcheck_cuda():
 @pytest.mark.parametrize("hidden", [128, 256])
 @pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
                          ids=lambda p: f"{p['convention']},{p['activation']}")
-def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
+@pytest.mark.parametrize("reps", [1, 4], ids=lambda n: f"x{n}")
+def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype, reps):
     """Large bf16 gated launches read act(z) and act'(z) from a table in shared memory
     for |z| in [2**-24, 2**8) and evaluate the rest directly: every one of the 2**16 bf16
     gates (zeros, subnormals, both table edges, inf and NaN included), in a launch big
@@ -322,12 +323,16 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype):
     convention with a bf16 weight also runs with that weight scaled by 2**-126, 2**-133
     and 2**127, so that its products with the weight (packed bf16 ones in the forward's
     GT form 5 and the backward's GC 7, unless ``NORMSPEC_GATED_BWD_PACKED_W=0``) are
-    subnormal, zero or overflow."""
+    subnormal, zero or overflow. Four times as many rows (``x4``) give the backward's plan
+    dweight groups of two rows on an H200, and so the two-rows-a-team kernel
+    (``normspec_gated_bwd_pair_kernel``, whose table lookups take two gates at once); at
+    2**20 elements the groups have one row and the pipelined kernel runs."""
     gen = torch.Generator().manual_seed(11)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     gates = every.view(torch.bfloat16)
-    rows_n = 2**20 // hidden
-    gate = gates[torch.randperm(gates.numel(), generator=gen)].repeat(16).view(rows_n, hidden)
+    rows_n = reps * 2**20 // hidden
+    gate = gates[torch.randperm(gates.numel(), generator=gen)].repeat(16 * reps)
+    gate = gate.view(rows_n, hidden)
     x = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
     base = torch.randn(hidden, generator=gen) * 0.1 + 1.0
     dy = torch.randn(rows_n, hidden, generator=gen).to(torch.bfloat16)
@@ -392,21 +397,27 @@ def cuda_kernel_names(fn, attempts: int = 3) -> list[str]:
 @pytest.mark.parametrize("hidden", [128, 256])
 @pytest.mark.parametrize("params", [v[1] for v in VARIANTS if v[0] == "rms_norm_gated"],
                          ids=lambda p: f"{p['convention']},{p['activation']}")
-def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
+@pytest.mark.parametrize("per_team", [1, 2, 8], ids=lambda n: f"rows{n}xteams")
+def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra, per_team):
     """The gate-table backward with the saved rstd runs the kernels with the convention
-    as constants (GC); with twice as many rows as the device holds teams, the plan's
-    dweight groups have at least four rows (glog >= 2), and the last group is part full
-    (odd, too): its inactive rows must neither be stored nor reach dweight. The spec's
-    bits, and the profiler shows the GC kernel ran (for the transformers convention with
-    a bf16 weight GC 7, or GC 3 with ``NORMSPEC_GATED_BWD_PACKED_W=0``). (2**20 elements,
-    the other tests' size, plan glog 0 on an H200: groups of one row.)"""
+    as constants: by default the two-rows-a-team kernel
+    (``normspec_gated_bwd_pair_kernel``), with ``NORMSPEC_GATED_BWD_PAIR=0`` the pipelined
+    kernel's GC forms. With as many rows as the device holds teams, twice and eight times
+    as many, the plan's dweight groups have two, four and sixteen rows (glog 1: every
+    pair is a group; 2 and 4: the stack's levels), and the last group is part full (odd,
+    too): its inactive rows must neither be stored nor reach dweight. The spec's bits,
+    and the profiler shows that kernel ran (for the transformers convention with a bf16
+    weight GC 7, or GC 3 with ``NORMSPEC_GATED_BWD_PACKED_W=0``). (2**20 elements, the
+    other tests' size, plan glog 0 on an H200: groups of one row, the pipelined kernel.)"""
     import os
     import re
 
+    if per_team == 8 and (params["convention"] != "vllm" or wdtype != torch.float32):
+        pytest.skip("the largest shape (17 M elements) once: the stack's deeper levels")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     team_log = (hidden // 8).bit_length() - 1  # one vector of 8 bf16 per lane
     teams = sms * (2048 // 256) * (256 >> team_log)
-    shape = (2 * teams + extra, hidden)
+    shape = (per_team * teams + extra, hidden)
     check_case("rms_norm_gated", params, shape, torch.bfloat16, wdtype, extra, specials=True)
 
     rows, weight, grads = make_case("rms_norm_gated", params, shape, torch.bfloat16, wdtype,
@@ -419,8 +430,12 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra):
     gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 7
     if gc == 7 and os.environ.get("NORMSPEC_GATED_BWD_PACKED_W") == "0":
         gc = 3
-    gc_kernel = re.compile(
-        rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
+    if os.environ.get("NORMSPEC_GATED_BWD_PAIR") == "0":
+        gc_kernel = re.compile(
+            rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
+    else:
+        gc_kernel = re.compile(
+            rf"normspec_gated_bwd_pair_kernel<__nv_bfloat16, {team_log}, {gc}>")
     assert any(gc_kernel.search(n) for n in names), names
 
 
@@ -438,6 +453,13 @@ def child_pytest_with(switches: dict[str, str], selection: str) -> None:
          "-k", selection],
         env={**os.environ, **switches}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:]
+
+
+def test_gate_table_backward_one_row_a_team():
+    """With ``NORMSPEC_GATED_BWD_PAIR=0`` the gate-table backward runs the pipelined
+    kernel's convention-constant forms: the dweight-group test above, in a child process
+    with the switch."""
+    child_pytest_with({"NORMSPEC_GATED_BWD_PAIR": "0"}, "over_dweight_groups")
 
 
 def test_gate_table_backward_without_packed_products():

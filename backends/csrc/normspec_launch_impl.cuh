@@ -56,6 +56,7 @@
 
 #include "normspec_launch.h"
 #include "normspec_pipe.cuh"
+#include "normspec_gated_bwd.cuh"
 
 namespace normspec {
 namespace launch_detail {
@@ -835,6 +836,54 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
       plan.glog, SAVED ? a.rstd_in : nullptr);
 }
 
+// NORMSPEC_GATED_BWD_PAIR=0: the gate-table backward's constant forms stay in the
+// pipelined kernel (GC) instead of normspec_gated_bwd_pair_kernel, which computes two rows
+// a team per iteration (normspec_gated_bwd.cuh says what it leaves out; the same bits).
+inline bool gated_bwd_pair_enabled() {
+  static const bool on = !switched_off("NORMSPEC_GATED_BWD_PAIR");
+  return on;
+}
+
+// Whether every row and element offset of a gated backward fits the pair kernel's 32-bit
+// arithmetic: rows below 2**30, and the last row's offset plus a row in every tensor (x,
+// gate, dy, dx, dgate) below 2**31. (bwd_offsets_fit_32 checks only under
+// NORMSPEC_BWD_OFF32; this check is unconditional.)
+inline bool gated_pair_offsets_fit(const LaunchArgs& a) {
+  long long m = a.H;
+  for (long long s : {a.sx, a.sr, a.sdy, a.sy, a.sy2}) m = s > m ? s : m;
+  return a.rows <= (1LL << 30) && m <= 0x7fffffffLL &&
+         (a.rows - 1) * m <= 0x7fffffffLL - a.H;
+}
+
+// normspec_gated_bwd_pair_kernel for a plan of groups of two rows or more: the
+// persistent grid of the pipelined kernel, its shared memory less the bottom stack level
+// and the weight factors (kept in registers).
+template <typename T, int FULL_TL, int GC>
+void launch_gated_bwd_pair(LaunchArgs a, float* ws, const BackwardPlan& plan,
+                           cudaStream_t stream) {
+  const void* w = nullptr;
+  take_pipe_weight(a, w);
+  PipeGeometry g;
+  g.team_log = plan.team_log;
+  g.np = plan.np;
+  static int occ[MAX_FORCED_GLOG + 1] = {0};
+  static bool opted[64] = {false};
+  constexpr int VEC = VecOf<T>::value;
+  const size_t smem = static_cast<size_t>(plan.glog - 1) * VEC * sizeof(float) * 256 +
+                      GATE_TABLE_SLOTS * sizeof(float2);
+  auto kernel = normspec_gated_bwd_pair_kernel<T, FULL_TL, GC>;
+  if (needs_optin(smem)) allow_smem_once(kernel, opted);
+  int& n = occ[plan.glog];
+  if (n == 0) n = blocks_per_sm(kernel, g.block(), smem);
+  const unsigned grid = persistent_grid(plan.groups, g, n);
+  kernel<<<grid, g.block(), smem, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.r), w, static_cast<const T*>(a.dy),
+      static_cast<T*>(a.y), static_cast<T*>(a.y2), ws, static_cast<int>(a.rows),
+      static_cast<int>(a.sx), static_cast<int>(a.sr), static_cast<int>(a.sdy),
+      static_cast<int>(a.sy), static_cast<int>(a.sy2), a.offset, a.flags, plan.glog,
+      static_cast<int>(plan.groups), a.rstd_in);
+}
+
 // The gate-table backward of the transformers convention with a bf16 weight runs GC 7
 // instead of 3, its products u = rt(t * w) and dxhat = rt(rt(du) * w) in packed bf16
 // (gated_backward_vec_hf_packed_w, as the forward's GT form 5 does), unless
@@ -887,6 +936,14 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
   }
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 1 && FULL_TL >= 0) {
     if (saved_rstd(a) != nullptr && bwd_gate_table<OP, T>(a, plan)) {
+      if (plan.glog >= 1 && gated_bwd_pair_enabled() && gated_pair_offsets_fit(a)) {
+        if (!(a.flags & F_HF)) return launch_gated_bwd_pair<T, FULL_TL, 0>(a, ws, plan, stream);
+        if (!(a.flags & F_W_IS_INPUT))
+          return launch_gated_bwd_pair<T, FULL_TL, 1>(a, ws, plan, stream);
+        if (gated_bwd_packed_w_enabled())
+          return launch_gated_bwd_pair<T, FULL_TL, 7>(a, ws, plan, stream);
+        return launch_gated_bwd_pair<T, FULL_TL, 3>(a, ws, plan, stream);
+      }
       if (!(a.flags & F_HF))
         return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 0>(a, ws, plan, stream);
       if (!(a.flags & F_W_IS_INPUT))

@@ -278,6 +278,15 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, int col, int H,
   }
 }
 
+// A dweight stack's node: the left sibling s (four columns, from the stack) added to the
+// right one c[0..3], left operand first, as the spec's row tree sums.
+__device__ __forceinline__ void add_left_sibling(const float4& s, float* c) {
+  c[0] = add(s.x, c[0]);
+  c[1] = add(s.y, c[1]);
+  c[2] = add(s.z, c[2]);
+  c[3] = add(s.w, c[3]);
+}
+
 // ---- team geometry and reduction ------------------------------------------------
 struct Team {
   int log;         // log2(threads per team)
@@ -1638,13 +1647,8 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
         int l = 0;
         for (; l < glog && ((j >> l) & 1); ++l) {
 #pragma unroll
-          for (int q = 0; q < Q; ++q) {
-            const float4 s = stk[((l * NP + p) * Q + q) * nthr + threadIdx.x];
-            c[4 * q] = add(s.x, c[4 * q]);
-            c[4 * q + 1] = add(s.y, c[4 * q + 1]);
-            c[4 * q + 2] = add(s.z, c[4 * q + 2]);
-            c[4 * q + 3] = add(s.w, c[4 * q + 3]);
-          }
+          for (int q = 0; q < Q; ++q)
+            add_left_sibling(stk[((l * NP + p) * Q + q) * nthr + threadIdx.x], c + 4 * q);
         }
         if (l < glog) {
 #pragma unroll

@@ -94,7 +94,14 @@ the same bits; these variables only change speed (read once per process):
   convention with a bf16 weight takes its two products with the weight (the weighted
   output for dgate, and dxhat) in fp32 with a rounding after, instead of two values at
   a time in bf16, each rounded once (the same bits; on an H200, 2**21 x 128:
-  778.9-779.8 us against 775.4-776.5).
+  778.9-779.8 us against 775.4-776.5);
+* ``NORMSPEC_GATED_BWD_PAIR=0``: that backward (rows of 128 and 256, the forward's
+  rstd, dweight groups of at least two rows) runs the pipelined kernel's
+  convention-constant forms, one row a team per iteration, instead of
+  ``normspec_gated_bwd_pair_kernel`` (``normspec_gated_bwd.cuh``), which takes two rows
+  a team per iteration, adds their dweight contributions in registers, keeps the
+  weight in registers and does its row arithmetic in 32 bits (the same bits; the
+  torch extension only).
 
 Build-time experiments go through ``NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or
 ``NAME=VALUE``, passed as ``-D`` flags to every source; such a build is cached in a

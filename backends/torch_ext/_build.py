@@ -48,7 +48,7 @@ CUDA_SOURCES = ("normspec_cuda.cpp", "normspec_launch.cu", "normspec_launch_f32.
                 "normspec_launch_bf16.cu", "normspec_launch_f16.cu")
 #: Files that every translation unit depends on (a change forces a rebuild).
 HEADERS = ("normspec_arith.h", "normspec_host.h", "normspec_kernels.cuh", "normspec_launch.h",
-           "normspec_launch_impl.cuh", "normspec_pipe.cuh")
+           "normspec_launch_impl.cuh", "normspec_pipe.cuh", "normspec_gated_bwd.cuh")
 
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 CUDA_CFLAGS = [
