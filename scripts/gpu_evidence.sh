@@ -133,12 +133,12 @@ for s in $stages; do
       cp "$OUT/ncu/gated_fwd_peers_sass.csv" \
         "bench/results/ncu/gated_fwd_sass_torch_compile_${gpu}.csv" 2>/dev/null ;;
     ncu-source-bwd)  # the gated backward's (vllm, 2^21 x 128) per-instruction stall samples:
-      # ours (OP 2 of the pipelined backward, named in full with --kernel-name-base demangled,
-      # which on the H200's ncu reads 'normspec_bwd_pipe_kernel<(int)2, ...'),
-      # then FLA's, the faster one (notes/perf.md §36-37); SASS pages as CSV, as ncu-source
+      # ours (normspec_gated_bwd_pair_kernel since 1d5c56a; before it OP 2 of the pipelined
+      # backward, 'normspec_bwd_pipe_kernel<(int)2, ...' in ncu's demangled names),
+      # then FLA's (notes/perf.md §36-40); SASS pages as CSV, as ncu-source
       mkdir -p "$OUT/ncu" bench/results/ncu
       for who in ours fla; do
-        if [ $who = ours ]; then k='regex:normspec_bwd_pipe_kernel<(.int.)?2,'; a=--backward
+        if [ $who = ours ]; then k='regex:normspec_gated_bwd_pair_kernel<'; a=--backward
         else k='regex:layer_norm_gated_bwd'; a='--fla --backward'; fi
         run ${NCU_LIMIT:-240} "ncu-source-bwd-$who" ncu --clock-control none \
           --profile-from-start off --set full --import-source no --kernel-name-base demangled \

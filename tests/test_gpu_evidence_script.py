@@ -213,12 +213,13 @@ def test_ncu_source_bwd_samples_our_gated_backward_then_fla_s(run_stage):
     for line in profiles:
         assert "--set full" in line and "--kernel-name-base demangled" in line
         assert " -c 1 " in line and "--profile-from-start off" in line
-    # the gated form of the pipelined backward by its first template argument (OP 2)
-    # ncu's demangled names read "normspec_bwd_pipe_kernel<(int)2, ..." (H200, 438c41d)
-    assert "-k regex:normspec_bwd_pipe_kernel<(.int.)?2, " in ours
+    # the gated backward's own kernel (two rows a team), by name as ncu's demangled names
+    # give it, and not the pipelined backward's (which also ran the gated op before it)
+    assert "-k regex:normspec_gated_bwd_pair_kernel< " in ours
     pattern = re.compile(ours.split("-k regex:")[1].split(" ")[0])
-    seen = "void normspec_bwd_pipe_kernel<(int){}, __nv_bfloat16, (int)1, (int)4, (bool)1, (int)0>"
-    assert pattern.search(seen.format(2)) and not pattern.search(seen.format(0))
+    seen = "void normspec::normspec_gated_bwd_pair_kernel<__nv_bfloat16, (int)4, (int)0>"
+    old = "void normspec_bwd_pipe_kernel<(int)2, __nv_bfloat16, (int)1, (int)4, (bool)1, (int)0>"
+    assert pattern.search(seen) and not pattern.search(old)
     assert ours.endswith("scripts/ncu_kernels.py --backward")
     assert "-k regex:layer_norm_gated_bwd " in fla
     assert fla.endswith("scripts/ncu_kernels.py --fla --backward")
