@@ -100,8 +100,9 @@ the same bits; these variables only change speed (read once per process):
   convention-constant forms, one row a team per iteration, instead of
   ``normspec_gated_bwd_pair_kernel`` (``normspec_gated_bwd.cuh``), which takes two rows
   a team per iteration, adds their dweight contributions in registers, keeps the
-  weight in registers and does its row arithmetic in 32 bits (the same bits; the
-  torch extension only).
+  weight in registers and does its row arithmetic in 32 bits (the same bits; on an
+  H200, 2**21 x 128 in the micro harness: 698 us against 766 for the vLLM convention,
+  700 against 773 for the transformers one; the torch extension only).
 
 Build-time experiments go through ``NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or
 ``NAME=VALUE``, passed as ``-D`` flags to every source; such a build is cached in a
