@@ -26,7 +26,7 @@
 // experiment; gpu_evidence.sh warp-team times both against the default; notes §35).
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
-// bench's shape; its hash covers y and dgate too).
+// bench's shape; its hash covers y and dgate too), and 2^20 x 256 in the vllm one.
 // Build with the extension's CUDA sources and run:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
@@ -100,8 +100,8 @@ static void backward(int op, LaunchArgs a, bf16* dweight, float* ws, float* ws2)
 
 // OP_RMS (the zero-centred norm) or OP_GATED (silu; `flags` may add F_HF), as the
 // bench times them.
-// NORMSPEC_AB_GATED=1 (run time): also the GDN norm's 2^21 x 128, both conventions
-// (fwd and bwd; the bwd includes dgate).
+// NORMSPEC_AB_GATED=1 (run time): also the GDN norm's 2^21 x 128, both conventions, and
+// 2^20 x 256 (vllm) (fwd and bwd; the bwd includes dgate).
 static bool gated_cases_on() {
   const char* s = std::getenv("NORMSPEC_AB_GATED");
   return s != nullptr && s[0] == '1' && s[1] == '\0';
@@ -171,6 +171,8 @@ int main(int argc, char** argv) {
   if (gated_cases_on()) {
     norm_case(label, "gated vllm", OP_GATED, 2097152, 128, timer);
     norm_case(label, "gated hf", OP_GATED, 2097152, 128, timer, F_HF);
+    // the GDN norm's other head size, the same bytes
+    norm_case(label, "gated vllm", OP_GATED, 1048576, 256, timer);
   }
   return 0;
 }
