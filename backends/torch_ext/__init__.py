@@ -28,7 +28,9 @@ derivative once per block into a shared-memory table. Their
 backward with the forward's rstd, on rows of 128 and 256 (the GDN norm's head sizes),
 runs kernels with the convention (vLLM, transformers with an fp32 weight or with a
 weight of the input dtype) as a compile-time constant and one table lookup per vector
-(on an H200, 2**21 x 128: 821 us against 939 before). Other rows (unaligned views,
+(on an H200, 2**21 x 128: 821 us against 939 before); where its dweight groups have two
+rows or more (large launches), a kernel of its own that takes two rows a team per
+iteration (698 us against 766). Other rows (unaligned views,
 longer rows) run on the register and streaming kernels, which the CuPy backend shares
 (it also runs the one-row forward and the pipelined backward). Every geometry gives
 the same bits; these variables only change speed (read once per process):
