@@ -18,7 +18,7 @@
 //     pair;
 //   * the weight factors stay in the lane's registers (its columns never change);
 //   * rows, strides and the team's slots are 32-bit (the launcher checks that every
-//     element offset fits: gated_pair_offsets_fit);
+//     element offset fits: offsets_fit_32);
 //   * the two rows' reductions of sum(dxhat * xhat) shuffle side by side
 //     (team_reduce_pipe with the pair as its two "passes": the same tree per row);
 //   * the gate table's slots are formed two gates at a time from the raw 32-bit words

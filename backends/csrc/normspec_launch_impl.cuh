@@ -306,12 +306,16 @@ inline bool row_index_fits_32(long long rows) { return rows <= 0x7fffffffLL; }
 // Always true where the switch is off (the forms' arithmetic is then 64-bit). A launch past
 // the bound also leaves the one-row rms backward (launch_bwd_row, 64-bit) for the general
 // form: slower, the same bits.
-inline bool bwd_offsets_fit_32(const LaunchArgs& a) {
-#if NORMSPEC_BWD_OFF32
+// offsets_fit_32 is that bound itself (normspec_gated_bwd_pair_kernel's, unconditionally).
+inline bool offsets_fit_32(const LaunchArgs& a) {
   long long m = a.H;
   for (long long s : {a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2}) m = s > m ? s : m;
   return a.rows <= (1LL << 30) && m <= 0x7fffffffLL &&
          (a.rows - 1) * m <= 0x7fffffffLL - a.H;
+}
+inline bool bwd_offsets_fit_32(const LaunchArgs& a) {
+#if NORMSPEC_BWD_OFF32
+  return offsets_fit_32(a);
 #else
   static_cast<void>(a);
   return true;
@@ -838,21 +842,12 @@ void launch_bwd_pipe_as(LaunchArgs a, float* ws, const BackwardPlan& plan, cudaS
 
 // NORMSPEC_GATED_BWD_PAIR=0: the gate-table backward's constant forms stay in the
 // pipelined kernel (GC) instead of normspec_gated_bwd_pair_kernel, which computes two rows
-// a team per iteration (normspec_gated_bwd.cuh says what it leaves out; the same bits).
+// a team per iteration (normspec_gated_bwd.cuh says what it leaves out; the same bits),
+// where the plan's groups have two rows or more and every offset fits 32 bits
+// (offsets_fit_32).
 inline bool gated_bwd_pair_enabled() {
   static const bool on = !switched_off("NORMSPEC_GATED_BWD_PAIR");
   return on;
-}
-
-// Whether every row and element offset of a gated backward fits the pair kernel's 32-bit
-// arithmetic: rows below 2**30, and the last row's offset plus a row in every tensor (x,
-// gate, dy, dx, dgate) below 2**31. (bwd_offsets_fit_32 checks only under
-// NORMSPEC_BWD_OFF32; this check is unconditional.)
-inline bool gated_pair_offsets_fit(const LaunchArgs& a) {
-  long long m = a.H;
-  for (long long s : {a.sx, a.sr, a.sdy, a.sy, a.sy2}) m = s > m ? s : m;
-  return a.rows <= (1LL << 30) && m <= 0x7fffffffLL &&
-         (a.rows - 1) * m <= 0x7fffffffLL - a.H;
 }
 
 // normspec_gated_bwd_pair_kernel for a plan of groups of two rows or more: the
@@ -936,21 +931,16 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
   }
   if constexpr (OP == OP_GATED && IsBf16<T>::value && NP == 1 && FULL_TL >= 0) {
     if (saved_rstd(a) != nullptr && bwd_gate_table<OP, T>(a, plan)) {
-      if (plan.glog >= 1 && gated_bwd_pair_enabled() && gated_pair_offsets_fit(a)) {
-        if (!(a.flags & F_HF)) return launch_gated_bwd_pair<T, FULL_TL, 0>(a, ws, plan, stream);
-        if (!(a.flags & F_W_IS_INPUT))
-          return launch_gated_bwd_pair<T, FULL_TL, 1>(a, ws, plan, stream);
-        if (gated_bwd_packed_w_enabled())
-          return launch_gated_bwd_pair<T, FULL_TL, 7>(a, ws, plan, stream);
-        return launch_gated_bwd_pair<T, FULL_TL, 3>(a, ws, plan, stream);
-      }
-      if (!(a.flags & F_HF))
-        return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 0>(a, ws, plan, stream);
-      if (!(a.flags & F_W_IS_INPUT))
-        return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 1>(a, ws, plan, stream);
-      if (gated_bwd_packed_w_enabled())
-        return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 7>(a, ws, plan, stream);
-      return launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, 3>(a, ws, plan, stream);
+      const bool pair = plan.glog >= 1 && gated_bwd_pair_enabled() && offsets_fit_32(a);
+      auto launch_gc = [&](auto gc) {
+        constexpr int GC = decltype(gc)::value;
+        if (pair) return launch_gated_bwd_pair<T, FULL_TL, GC>(a, ws, plan, stream);
+        launch_bwd_pipe_as<OP, T, NP, FULL_TL, true, GC>(a, ws, plan, stream);
+      };
+      if (!(a.flags & F_HF)) return launch_gc(std::integral_constant<int, 0>());
+      if (!(a.flags & F_W_IS_INPUT)) return launch_gc(std::integral_constant<int, 1>());
+      if (gated_bwd_packed_w_enabled()) return launch_gc(std::integral_constant<int, 7>());
+      return launch_gc(std::integral_constant<int, 3>());
     }
   }
   if (saved_rstd(a) != nullptr)
