@@ -481,6 +481,9 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     with and without the saved rstd) and the backward is a single kernel: the one-row
     rms kernel where the row fills a constant geometry (H = 128 and 2048), else the
     pipelined kernel."""
+    import os
+    import re
+
     check_case(op, params, (1, hidden), dtype, dtype, hidden, specials=True)
     check_case(op, params, (1, hidden), dtype, dtype, hidden + 1, specials=False)
     rows, weight, grads = make_case(op, params, (1, hidden), dtype, dtype, 0, specials=False)
@@ -489,10 +492,21 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
     row_kernel = op == "rms_norm" and hidden in (128, 2048)
     kernel = "normspec_bwd_row_kernel" if row_kernel else "normspec_bwd_pipe_kernel"
+    # NORMSPEC_BWD_ROW_WIDE=1: the 2048-wide row in 256 threads of one pass
+    wide = row_kernel and hidden == 2048 and os.environ.get("NORMSPEC_BWD_ROW_WIDE") == "1"
+    form = re.compile(r"normspec_bwd_row_kernel<[^,]+, 1, 8," if wide else kernel)
     for saved in (None, rstd):
         names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
                                                                    params, rstd=saved))
-        assert len(names) == 1 and kernel in names[0], names
+        assert len(names) == 1 and form.search(names[0]), names
+
+
+def test_one_row_backward_wide():
+    """With ``NORMSPEC_BWD_ROW_WIDE=1`` the one-row rms backward of rows of 2048 16-bit
+    values runs as 256 threads of one pass: the test above (bits and kernel) for those
+    rows, in a child process with the switch."""
+    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "1"},
+                      "one_row_backward_is_one_launch and 2048 and rms_norm")
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------
@@ -535,6 +549,7 @@ OVERRIDES = [
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
     {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups
+    {"NORMSPEC_BWD_ROW_WIDE": "1"},  # 1000 and 3 rows of 2048: the one-row kernel, 256 x 1
 ]
 
 

@@ -13,6 +13,8 @@
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
 //   NORMSPEC_BWD_ROW=0  (the pipelined rms backward also for one-row groups in the
 //                        constant geometries, not the one-row kernel; bwd_row_enabled)
+//   NORMSPEC_BWD_ROW_WIDE=1  (an experiment: that one-row rms backward of 128 threads x 2
+//                             passes as 256 threads x 1 pass; bwd_row_wide_enabled)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
@@ -899,6 +901,17 @@ inline bool bwd_row_enabled() {
   return on;
 }
 
+// NORMSPEC_BWD_ROW_WIDE=1 (an experiment, off by default): the one-row rms backward of
+// 128 threads x 2 passes (H = 256 vectors: 2048 bf16 / fp16, 1024 fp32) runs as 256
+// threads x 1 pass instead (normspec_bwd_row_kernel<T, 1, 8>): half the instructions a
+// warp on the few-row chain (the 1 x 2048 kernel executes about 280 SASS a warp,
+// torch.compile's 512-thread one about 160), at the cost of a cross-warp fold of eight
+// partials instead of four. The same device functions and tree: the same bits.
+inline bool bwd_row_wide_enabled() {
+  static const bool on = env_is("NORMSPEC_BWD_ROW_WIDE", '1');
+  return on;
+}
+
 template <typename T, int NP, int FULL_TL, bool SAVED>
 void launch_bwd_row(LaunchArgs a, float* ws, cudaStream_t stream) {
   const void* w = nullptr;
@@ -925,6 +938,12 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
                      cudaStream_t stream) {
   if constexpr (OP == OP_RMS && FULL_TL >= 0) {
     if (plan.glog == 0 && bwd_row_enabled()) {
+      if constexpr (NP == 2 && FULL_TL == 7) {
+        if (bwd_row_wide_enabled()) {
+          if (saved_rstd(a) != nullptr) return launch_bwd_row<T, 1, 8, true>(a, ws, stream);
+          return launch_bwd_row<T, 1, 8, false>(a, ws, stream);
+        }
+      }
       if (saved_rstd(a) != nullptr) return launch_bwd_row<T, NP, FULL_TL, true>(a, ws, stream);
       return launch_bwd_row<T, NP, FULL_TL, false>(a, ws, stream);
     }
