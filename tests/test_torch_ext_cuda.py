@@ -492,8 +492,8 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
     row_kernel = op == "rms_norm" and hidden in (128, 2048)
     kernel = "normspec_bwd_row_kernel" if row_kernel else "normspec_bwd_pipe_kernel"
-    # NORMSPEC_BWD_ROW_WIDE=1: the 2048-wide row in 256 threads of one pass
-    wide = row_kernel and hidden == 2048 and os.environ.get("NORMSPEC_BWD_ROW_WIDE") == "1"
+    # the 2048-wide row in 256 threads of one pass, unless NORMSPEC_BWD_ROW_WIDE=0
+    wide = row_kernel and hidden == 2048 and os.environ.get("NORMSPEC_BWD_ROW_WIDE") != "0"
     form = re.compile(r"normspec_bwd_row_kernel<[^,]+, 1, 8," if wide else kernel)
     for saved in (None, rstd):
         names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
@@ -501,12 +501,40 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
         assert len(names) == 1 and form.search(names[0]), names
 
 
-def test_one_row_backward_wide():
-    """With ``NORMSPEC_BWD_ROW_WIDE=1`` the one-row rms backward of rows of 2048 16-bit
-    values runs as 256 threads of one pass: the test above (bits and kernel) for those
+def test_one_row_backward_narrow():
+    """With ``NORMSPEC_BWD_ROW_WIDE=0`` the one-row rms backward of rows of 2048 16-bit
+    values runs as 128 threads of two passes: the test above (bits and kernel) for those
     rows, in a child process with the switch."""
-    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "1"},
+    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "0"},
                       "one_row_backward_is_one_launch and 2048 and rms_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_one_row_backward_form_by_rows(dtype):
+    """One-row dweight groups of rows of 2048: 256 threads of one pass while the blocks fit
+    the device at once (at most 8 per SM), 128 threads of two passes past that; the spec's
+    bits either way, with and without the saved rstd."""
+    import os
+    import re
+
+    if os.environ.get("NORMSPEC_BWD_ROW_WIDE") == "0" or GEOMETRY_VARIABLES & set(os.environ):
+        pytest.skip("a launcher switch or geometry override is set")
+    bound = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    op, params = VARIANTS[1]  # rms_norm, offset 1
+    for rows in (1, 64, bound, bound + 1):
+        check_case(op, params, (rows, 2048), dtype, dtype, rows, specials=False)
+        inputs, weight, grads = make_case(op, params, (rows, 2048), dtype, dtype, 1,
+                                          specials=False)
+        crows = {k: v.cuda() for k, v in inputs.items()}
+        cw, cgrads = weight.cuda(), [g.cuda() for g in grads]
+        *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
+        form = r", 1, 8," if rows <= bound else r", 2, 7,"
+        for saved in (None, rstd):
+            names = cuda_kernel_names(lambda c=(cgrads, crows, cw), saved=saved: ext_backward(
+                op, *c, EPS, params, rstd=saved))
+            kernels = [n for n in names if "normspec_bwd" in n]
+            assert len(kernels) == 1 and re.search(
+                r"normspec_bwd_row_kernel<[^,]+" + form, kernels[0]), (rows, names)
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------
@@ -549,7 +577,7 @@ OVERRIDES = [
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
     {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups
-    {"NORMSPEC_BWD_ROW_WIDE": "1"},  # 1000 and 3 rows of 2048: the one-row kernel, 256 x 1
+    {"NORMSPEC_BWD_ROW_WIDE": "0"},  # 1000 and 3 rows of 2048: the one-row kernel, 128 x 2
 ]
 
 

@@ -13,8 +13,8 @@
 //   NORMSPEC_BWD_TEAM=<threads>  (a power of two, 1..256: the backward kernel's bound)
 //   NORMSPEC_BWD_ROW=0  (the pipelined rms backward also for one-row groups in the
 //                        constant geometries, not the one-row kernel; bwd_row_enabled)
-//   NORMSPEC_BWD_ROW_WIDE=1  (an experiment: that one-row rms backward of 128 threads x 2
-//                             passes as 256 threads x 1 pass; bwd_row_wide_enabled)
+//   NORMSPEC_BWD_ROW_WIDE=0  (that one-row rms backward of rows of 256 vectors as 128
+//                             threads x 2 passes, not 256 x 1; bwd_row_wide)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
@@ -901,15 +901,18 @@ inline bool bwd_row_enabled() {
   return on;
 }
 
-// NORMSPEC_BWD_ROW_WIDE=1 (an experiment, off by default): the one-row rms backward of
-// 128 threads x 2 passes (H = 256 vectors: 2048 bf16 / fp16, 1024 fp32) runs as 256
-// threads x 1 pass instead (normspec_bwd_row_kernel<T, 1, 8>): half the instructions a
-// warp on the few-row chain (the 1 x 2048 kernel executes about 280 SASS a warp,
-// torch.compile's 512-thread one about 160), at the cost of a cross-warp fold of eight
-// partials instead of four. The same device functions and tree: the same bits.
-inline bool bwd_row_wide_enabled() {
-  static const bool on = env_is("NORMSPEC_BWD_ROW_WIDE", '1');
-  return on;
+// The one-row rms backward of 128 threads x 2 passes (H = 256 vectors: 2048 bf16 /
+// fp16, 1024 fp32) runs as 256 threads x 1 pass (normspec_bwd_row_kernel<T, 1, 8>) where
+// its blocks fit the device at once (at most 8 per SM: rows <= SMs x 8), unless
+// NORMSPEC_BWD_ROW_WIDE=0: half the SASS a warp on the few-row chain (197 to EXIT
+// against 368 with the saved rstd; torch.compile's 512-thread kernel executes about 160 a
+// warp), for a cross-warp fold of eight partials instead of four. The same device
+// functions and tree: the same bits. H200 harness, 3 rounds, equal hashes: 1 x 2048
+// 3.74-3.87 -> 3.62-3.68 us, 64 x 2048 6.53-6.59 -> 6.46-6.62
+// (bench/results/sweeps/bwd_row_wide_b4bad4d.json, notes/perf.md §41).
+inline bool bwd_row_wide(const LaunchArgs& a) {
+  static const bool on = !switched_off("NORMSPEC_BWD_ROW_WIDE");
+  return on && a.rows <= 8LL * device_sms();
 }
 
 template <typename T, int NP, int FULL_TL, bool SAVED>
@@ -939,7 +942,7 @@ void launch_bwd_pipe(const LaunchArgs& a, float* ws, const BackwardPlan& plan,
   if constexpr (OP == OP_RMS && FULL_TL >= 0) {
     if (plan.glog == 0 && bwd_row_enabled()) {
       if constexpr (NP == 2 && FULL_TL == 7) {
-        if (bwd_row_wide_enabled()) {
+        if (bwd_row_wide(a)) {
           if (saved_rstd(a) != nullptr) return launch_bwd_row<T, 1, 8, true>(a, ws, stream);
           return launch_bwd_row<T, 1, 8, false>(a, ws, stream);
         }

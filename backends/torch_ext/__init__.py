@@ -75,6 +75,11 @@ the same bits; these variables only change speed (read once per process):
   1 x 2048 or 4096 x 256) run the pipelined kernel instead of the one-row kernel,
   which gives each team one row, no loop and no shared-memory stacks (on an H200,
   1 x 2048 bf16: one 1.63 us kernel against 1.92-1.98);
+* ``NORMSPEC_BWD_ROW_WIDE=0``: that one-row kernel, for rows of 256 vectors (2048
+  bf16 or fp16, 1024 fp32), runs as 128 threads of two vectors each instead of 256
+  threads of one (taken while the launch's blocks fit the GPU at once: at most 8 per
+  SM), which halves the instructions of each warp on the few-row chain (on an H200,
+  1 x 2048 bf16 backward: 3.74-3.87 us against 3.62-3.68 in the micro harness);
 * ``NORMSPEC_GT_VLLM_FORM=0``: the large bf16 gated forward of the vLLM convention
   runs the form it shares with the transformers convention (which keeps the unpacked
   input in registers through the row's reduction) instead of its own (which unpacks

@@ -27,6 +27,7 @@
 // 32768 rows: the rms backward of the bench's large shape (its 128 x 2 saved-rstd form).
 // NORMSPEC_AB_GATED=1 adds the gated norm's 2^21 x 128 in both conventions (silu, the
 // bench's shape; its hash covers y and dgate too), and 2^20 x 256 in the vllm one.
+// NORMSPEC_AB_ROWS=8,1000 adds the rms norm of 8 and of 1000 rows of 2048.
 // Build with the extension's CUDA sources and run:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
@@ -40,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
+#include <vector>
 
 #include "micro_util.cuh"
 #include "normspec_arith.h"
@@ -107,6 +109,23 @@ static bool gated_cases_on() {
   return s != nullptr && s[0] == '1' && s[1] == '\0';
 }
 
+// NORMSPEC_AB_ROWS=<n>,<n>,... (run time): also the rms norm of that many rows of 2048.
+static std::vector<long long> extra_rows() {
+  std::vector<long long> rows;
+  const char* s = std::getenv("NORMSPEC_AB_ROWS");
+  while (s != nullptr && *s != '\0') {
+    char* end = nullptr;
+    const long long n = std::strtoll(s, &end, 10);
+    if (end == s || n <= 0) {
+      std::fprintf(stderr, "NORMSPEC_AB_ROWS: expected positive row counts, got '%s'\n", s);
+      std::exit(2);
+    }
+    rows.push_back(n);
+    s = *end == ',' ? end + 1 : end;
+  }
+  return rows;
+}
+
 static void norm_case(const char* label, const char* name, int op, long long rows, long long H,
                       Timer& timer, int flags = 0) {
   const size_t n = static_cast<size_t>(rows) * H;
@@ -168,6 +187,7 @@ int main(int argc, char** argv) {
   norm_case(label, "norm", OP_RMS, 32768, 2048, timer);
   norm_case(label, "norm", OP_RMS, 64, 256, timer);
   norm_case(label, "norm", OP_RMS, 4096, 256, timer);
+  for (long long rows : extra_rows()) norm_case(label, "norm", OP_RMS, rows, 2048, timer);
   if (gated_cases_on()) {
     norm_case(label, "gated vllm", OP_GATED, 2097152, 128, timer);
     norm_case(label, "gated hf", OP_GATED, 2097152, 128, timer, F_HF);
