@@ -908,8 +908,8 @@ inline bool bwd_row_enabled() {
 // against 368 with the saved rstd; torch.compile's 512-thread kernel executes about 160 a
 // warp), for a cross-warp fold of eight partials instead of four. The same device
 // functions and tree: the same bits. H200 harness, 3 rounds, equal hashes: 1 x 2048
-// 3.74-3.87 -> 3.62-3.68 us, 64 x 2048 6.53-6.59 -> 6.46-6.62
-// (bench/results/sweeps/bwd_row_wide_b4bad4d.json, notes/perf.md §41).
+// 3.74-3.87 -> 3.62-3.68 us, 64 x 2048 6.53-6.59 -> 6.46-6.62, 1000 x 2048 16.2 -> 14.7
+// (bench/results/sweeps/bwd_row_wide{,_rows}_*.json, notes/perf.md §41).
 inline bool bwd_row_wide(const LaunchArgs& a) {
   static const bool on = !switched_off("NORMSPEC_BWD_ROW_WIDE");
   return on && a.rows <= 8LL * device_sms();
