@@ -512,16 +512,22 @@ def test_one_row_backward_narrow():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_one_row_backward_form_by_rows(dtype):
     """One-row dweight groups of rows of 2048: 256 threads of one pass while the blocks fit
-    the device at once (at most 8 per SM), 128 threads of two passes past that; the spec's
-    bits either way, with and without the saved rstd."""
+    the device at once (at most 8 per SM), 128 threads of two passes past that (with
+    ``NORMSPEC_BWD_ROW_WIDE=2``, 256 threads of one pass there too); the spec's bits
+    either way, with and without the saved rstd."""
     import os
     import re
 
-    if GEOMETRY_VARIABLES & set(os.environ):  # NORMSPEC_BWD_ROW_WIDE among them
+    set_here = GEOMETRY_VARIABLES & set(os.environ)
+    any_rows = os.environ.get("NORMSPEC_BWD_ROW_WIDE") == "2"
+    if set_here - ({"NORMSPEC_BWD_ROW_WIDE"} if any_rows else set()):
         pytest.skip("a launcher switch or geometry override is set")
-    bound = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bound = 10**9 if any_rows else 8 * sms
     op, params = VARIANTS[1]  # rms_norm, offset 1
-    for rows in (1, 64, bound, bound + 1):
+    # 15 x SMs rows: still one row a dweight group (the plan's first level comes at
+    # about 16 x SMs), past the default bound
+    for rows in (1, 64, 8 * sms, 8 * sms + 1, 15 * sms):
         check_case(op, params, (rows, 2048), dtype, dtype, rows, specials=False)
         inputs, weight, grads = make_case(op, params, (rows, 2048), dtype, dtype, 1,
                                           specials=False)
@@ -535,6 +541,13 @@ def test_one_row_backward_form_by_rows(dtype):
             kernels = [n for n in names if "normspec_bwd" in n]
             assert len(kernels) == 1 and re.search(
                 r"normspec_bwd_row_kernel<[^,]+" + form, kernels[0]), (rows, names)
+
+
+def test_one_row_backward_wide_at_any_rows():
+    """With ``NORMSPEC_BWD_ROW_WIDE=2`` (an experiment) the one-row rms backward of rows of
+    2048 runs as 256 threads of one pass past the default bound too: the test above (bits
+    and kernel), in a child process with the switch."""
+    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "2"}, "one_row_backward_form_by_rows")
 
 
 # ---- the pipelined kernels under every geometry override ------------------------------
@@ -578,6 +591,7 @@ OVERRIDES = [
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
     {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups
     {"NORMSPEC_BWD_ROW_WIDE": "0"},  # 1000 and 3 rows of 2048: the one-row kernel, 128 x 2
+    {"NORMSPEC_BWD_ROW_WIDE": "2"},  # the same, 256 x 1 at any row count
 ]
 
 

@@ -15,6 +15,7 @@
 //                        constant geometries, not the one-row kernel; bwd_row_enabled)
 //   NORMSPEC_BWD_ROW_WIDE=0  (that one-row rms backward of rows of 256 vectors as 128
 //                             threads x 2 passes, not 256 x 1; bwd_row_wide)
+//   NORMSPEC_BWD_ROW_WIDE=2  (an experiment: the 256 x 1 form past its row bound too)
 //   NORMSPEC_FWD_ROW=0  (the persistent pipelined forward, not one row per team)
 //   NORMSPEC_FULL_ROW=0  (the general-geometry kernels also for rows that fill
 //                         the team exactly, instead of the constant-geometry forms)
@@ -910,9 +911,13 @@ inline bool bwd_row_enabled() {
 // functions and tree: the same bits. H200 harness, 3 rounds, equal hashes: 1 x 2048
 // 3.74-3.87 -> 3.62-3.68 us, 64 x 2048 6.53-6.59 -> 6.46-6.62, 1000 x 2048 16.2 -> 14.7
 // (bench/results/sweeps/bwd_row_wide{,_rows}_*.json, notes/perf.md §41).
+// NORMSPEC_BWD_ROW_WIDE=2 (an experiment, off by default) takes the wide form at any row
+// count whose plan gives each row its own dweight group (up to about 16 x SMs rows), so
+// that a sweep can time it past the bound.
 inline bool bwd_row_wide(const LaunchArgs& a) {
   static const bool on = !switched_off("NORMSPEC_BWD_ROW_WIDE");
-  return on && a.rows <= 8LL * device_sms();
+  static const bool any_rows = env_is("NORMSPEC_BWD_ROW_WIDE", '2');
+  return on && (any_rows || a.rows <= 8LL * device_sms());
 }
 
 template <typename T, int NP, int FULL_TL, bool SAVED>

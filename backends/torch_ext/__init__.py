@@ -80,6 +80,8 @@ the same bits; these variables only change speed (read once per process):
   threads of one (taken while the launch's blocks fit the GPU at once: at most 8 per
   SM), which halves the instructions of each warp on the few-row chain (on an H200,
   1 x 2048 bf16 backward: 3.74-3.87 us against 3.62-3.68 in the micro harness);
+  ``NORMSPEC_BWD_ROW_WIDE=2`` (an experiment, off by default) takes the 256-thread
+  form past that bound too, wherever every row has a dweight group of its own;
 * ``NORMSPEC_GT_VLLM_FORM=0``: the large bf16 gated forward of the vLLM convention
   runs the form it shares with the transformers convention (which keeps the unpacked
   input in registers through the row's reduction) instead of its own (which unpacks
