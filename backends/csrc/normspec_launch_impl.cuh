@@ -913,7 +913,10 @@ inline bool bwd_row_enabled() {
 // (bench/results/sweeps/bwd_row_wide{,_rows}_*.json, notes/perf.md §41).
 // NORMSPEC_BWD_ROW_WIDE=2 (an experiment, off by default) takes the wide form at any row
 // count whose plan gives each row its own dweight group (up to about 16 x SMs rows), so
-// that a sweep can time it past the bound.
+// that a sweep can time it past the bound. Mixed there on the H200 (harness, 3 rounds:
+// 1400 x 2048 17.34-17.44 us narrow against 17.47-17.57 wide, 2000 x 2048 22.62-22.78
+// against 21.95-22.30; bench/results/sweeps/bwd_row_wide_any_f090410.json, notes §42), so
+// the bound stays.
 inline bool bwd_row_wide(const LaunchArgs& a) {
   static const bool on = !switched_off("NORMSPEC_BWD_ROW_WIDE");
   static const bool any_rows = env_is("NORMSPEC_BWD_ROW_WIDE", '2');
