@@ -19,13 +19,29 @@ from the extension's gate table in global memory (``gated_row_table_launch``): o
 CuPy array per device, filled on first use with the declared functions (not while the
 stream is captured into a CUDA graph); ``NORMSPEC_GATED_ROW_TABLE=0`` evaluates every
 gate instead. On an H200 that took 2**21 x 128 from 609 to 378 us (vllm) and from 640
-to 389 us (hf; bench/results/sweeps/cupy_gated_row_table.json). Not launched
-from here: the persistent forward with a gate table per block and the backward forms
-that read the forward's rstd (this backend keeps no forward state). Every kernel gives
-the spec's bits.
+to 389 us (hf; bench/results/sweeps/cupy_gated_row_table.json); they take the
+extension's GT forms (``gt_form``).
+
+As in the extension, the backward's launches follow ``launch_bwd_pipe``
+(``pipe_backward_launch``, a ``BackwardLaunch``): the rms norm's one-row groups run
+``normspec_bwd_row_kernel``, large bf16 gated launches the convention as constants and,
+for groups of two rows or more, ``normspec_gated_bwd_pair_kernel``
+(``normspec_gated_bwd.cuh``, compiled into the same modules); a contiguous 16-bit weight
+of the input dtype is read as it is (``F_W_RAW``) by the one-row forward and the pipelined
+family instead of through an fp32 copy; a backward of one dweight group stores dweight
+itself (``F_DW_FINAL``). Through autograd (torch inputs) the forward also writes each
+row's rstd, which the backward then reads, and a fused add whose new residual is the sum
+its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor and runs
+the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
+explicit backward functions recompute rstd. Not launched from here: the persistent
+forward with a gate table per block, and chained (programmatic dependent) launches of
+the dweight tree. Every kernel gives the spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
 the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
-``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension. On an
+``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
+speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE``,
+``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL`` and the
+GT forms' (``gt_form``), read here at each call. On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 Per call, the host side (200-400 us a forward, 800-1100 us a backward) now outweighs
@@ -70,7 +86,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -125,8 +141,12 @@ __all__ = [
 #: The directory of the CUDA sources (package data shared with the torch extension).
 CSRC = Path(__file__).resolve().parent / "csrc"
 KERNELS = "normspec_pipe.cuh"
+#: The headers the NVRTC program includes: the kernels, and the gated backward's pair
+#: kernel (``normspec_gated_bwd.cuh``, which the torch extension's launcher includes too).
+_INCLUDES = (KERNELS, "normspec_gated_bwd.cuh")
 #: Files whose contents key the compile cache.
-_SOURCES = ("normspec_pipe.cuh", "normspec_kernels.cuh", "normspec_arith.h")
+_SOURCES = ("normspec_pipe.cuh", "normspec_gated_bwd.cuh", "normspec_kernels.cuh",
+            "normspec_arith.h")
 
 #: NVRTC options: the IEEE settings of the torch extension's nvcc build
 #: (``backends/torch_ext/_build.py``: -fmad=false --ftz=false --prec-div=true
@@ -141,9 +161,12 @@ NVRTC_OPTIONS = (
 
 # ---- constants of normspec_arith.h / normspec_launch.h --------------------------------
 OP_RMS, OP_FUSED, OP_GATED = 0, 1, 2
+#: The fused op's backward given the sum s its norm read (a backward only): x = s, no
+#: residual row, one gradient row ds (= dx = dresidual).
+OP_FUSED_SUM = 3
 OP_CODES = {"rms_norm": OP_RMS, "fused_add_rms_norm": OP_FUSED, "rms_norm_gated": OP_GATED}
 F_OFFSET, F_ROUNDED, F_HF, F_SIGMOID, F_W_IS_INPUT, F_ALIGNED = 1, 2, 4, 8, 16, 32
-F_GATE_TABLE = 64
+F_GATE_TABLE, F_W_RAW, F_DW_FINAL = 64, 128, 256
 # normspec_launch_impl.cuh: static shared memory kept free, the gate table's slots and
 # the smallest launch that fills it, the plan's stack budget per block
 _STATIC_SMEM_ROOM = 2048
@@ -312,31 +335,135 @@ def gate_table_enabled() -> bool:
     return os.environ.get("NORMSPEC_GATE_TABLE") != "0"
 
 
+def _switched_off(name: str) -> bool:
+    """Whether environment variable ``name`` is exactly ``"0"`` (``switched_off`` of the
+    launcher: the speed switches that keep an older path for timing; read at each call)."""
+    return os.environ.get(name) == "0"
+
+
+def saved_rstd_enabled() -> bool:
+    """Whether the backward reads the forward's rstd where it is given (unless
+    ``NORMSPEC_SAVED_RSTD=0``, as in the torch extension)."""
+    return not _switched_off("NORMSPEC_SAVED_RSTD")
+
+
+def bwd_row_enabled() -> bool:
+    """Whether the rms backward of one-row groups runs ``normspec_bwd_row_kernel`` (unless
+    ``NORMSPEC_BWD_ROW=0``)."""
+    return not _switched_off("NORMSPEC_BWD_ROW")
+
+
+def bwd_row_wide(rows: int, sm_count: int) -> bool:
+    """Whether the one-row backward of 128 threads x 2 passes runs as 256 threads x 1
+    (``bwd_row_wide`` of the launcher: at most 8 x SMs rows; ``NORMSPEC_BWD_ROW_WIDE=0``
+    never, ``=2`` at any row count)."""
+    value = os.environ.get("NORMSPEC_BWD_ROW_WIDE")
+    return value != "0" and (value == "2" or rows <= 8 * sm_count)
+
+
+def gated_bwd_pair_enabled() -> bool:
+    """Whether the gate-table backward's constant forms of groups of two rows or more run
+    ``normspec_gated_bwd_pair_kernel`` (unless ``NORMSPEC_GATED_BWD_PAIR=0``)."""
+    return not _switched_off("NORMSPEC_GATED_BWD_PAIR")
+
+
+def gated_bwd_packed_w_enabled() -> bool:
+    """Whether the transformers convention's gate-table backward with a weight of the input
+    dtype takes its weight products in packed bf16 (``GC`` 7; unless
+    ``NORMSPEC_GATED_BWD_PACKED_W=0``, which runs ``GC`` 3)."""
+    return not _switched_off("NORMSPEC_GATED_BWD_PACKED_W")
+
+
+def dw_final_enabled() -> bool:
+    """Whether a pipelined backward of one dweight group stores dweight itself in the
+    weight's dtype (unless ``NORMSPEC_DW_FINAL=0``)."""
+    return not _switched_off("NORMSPEC_DW_FINAL")
+
+
+def gated_gc(hf: bool, w_is_input: bool) -> int:
+    """The gate-table backward's convention constants ``GC`` (``launch_bwd_pipe``): 0 the
+    vllm convention, 1 transformers' with an fp32 weight, 7 (or 3 with
+    ``NORMSPEC_GATED_BWD_PACKED_W=0``) transformers' with a weight of the input dtype."""
+    if not hf:
+        return 0
+    if not w_is_input:
+        return 1
+    return 7 if gated_bwd_packed_w_enabled() else 3
+
+
+class BackwardLaunch(NamedTuple):
+    """One launch of the pipelined backward's family (``launch_bwd_pipe``).
+
+    ``name`` is the kernel's name expression: ``normspec_bwd_pipe_kernel`` (persistent
+    teams), ``normspec_bwd_row_kernel`` (the rms norm's one-row groups, a team per row)
+    or ``normspec_gated_bwd_pair_kernel`` (the gate-table backward, two rows a team per
+    iteration); ``shape`` is ``(threads per block, dynamic shared memory, team_log)``."""
+
+    name: str
+    glog: int
+    groups: int
+    table: bool
+    shape: tuple[int, int, int]
+
+    @property
+    def kind(self) -> str:
+        """``"pipe"``, ``"row"`` or ``"pair"``: which kernel, hence which arguments."""
+        if self.name.startswith("normspec_bwd_row_kernel"):
+            return "row"
+        if self.name.startswith("normspec::normspec_gated_bwd_pair_kernel"):
+            return "pair"
+        return "pipe"
+
+
 def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
-                         optin: int, strides: Sequence[int] = ()
-                         ) -> tuple[str, int, int, bool, tuple[int, int, int]] | None:
-    """``(kernel name expression, glog, groups, gate table, (block, smem, team_log))`` of
-    the pipelined backward for aligned rows, ``None`` where it does not apply. Rows that
-    fill the team exactly in the common geometries (one pass of 16 or 32 lanes, two of
-    128 or 256 threads) run the constant-geometry form (``backward_pipe_t``), where their
-    offsets fit in 32 bits (`strides`: the row strides of the launch's tensors;
-    ``bwd_offsets_fit_32``). The backward recomputes rstd (this backend keeps no forward
-    state)."""
+                         optin: int, strides: Sequence[int] = (), *, saved: bool = False,
+                         hf: bool = False, w_is_input: bool = False) -> BackwardLaunch | None:
+    """The launch of the pipelined backward's family for aligned rows (``launch_bwd_pipe``
+    of the torch extension's launcher), ``None`` where it does not apply (rows of more
+    than 1024 vectors).
+
+    Rows that fill the team exactly in the common geometries (one pass of 16 or 32 lanes,
+    two of 128 or 256 threads) run the constant-geometry forms, where their offsets fit in
+    32 bits (`strides`: the row strides of the launch's tensors; ``bwd_offsets_fit_32``):
+    for the rms norm's one-row groups ``normspec_bwd_row_kernel`` (``NORMSPEC_BWD_ROW=0``:
+    not), 256 threads x 1 pass instead of 128 x 2 where ``bwd_row_wide``; for the bf16
+    gated op with the gate table and the forward's rstd (`saved`) the convention as
+    constants (``gated_gc`` of `hf` and `w_is_input`), in
+    ``normspec_gated_bwd_pair_kernel`` where the groups have two rows or more. `saved`:
+    the forward's rstd is given (read unless ``NORMSPEC_SAVED_RSTD=0``)."""
     plan = pipe_backward_plan(dtype_code, rows, hidden, sm_count, optin)
     if plan is None:
         return None
     team_log, np_, glog, groups = plan
     vec = vec_of(dtype_code)
+    t = CUDA_TYPES[dtype_code]
+    saved = saved and saved_rstd_enabled()
     table = (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
              and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS
              and fits_smem(pipe_smem_bytes(team_log, np_, vec, glog, True), optin))
     lo = 4 if np_ == 1 else 7
     full = (np_ <= 2 and full_row_forms_enabled() and hidden == (np_ * vec) << team_log
             and team_log in (lo, lo + 1) and bwd_offsets_fit_32(rows, hidden, strides))
-    name = (f"normspec_bwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
-            f"{team_log if full else -1}, false, -1>")
+    flag = "true" if saved else "false"
+    if full and op == OP_RMS and glog == 0 and bwd_row_enabled():
+        np_r, tl_r = ((1, 8) if (np_, team_log) == (2, 7) and bwd_row_wide(rows, sm_count)
+                      else (np_, team_log))
+        return BackwardLaunch(f"normspec_bwd_row_kernel<{t}, {np_r}, {tl_r}, {flag}>", glog,
+                              groups, False, (pipe_block(tl_r), 0, tl_r))
+    block = pipe_block(team_log)
+    if full and op == OP_GATED and dtype_code == DT_BF16 and np_ == 1 and saved and table:
+        gc = gated_gc(hf, w_is_input)
+        if glog >= 1 and gated_bwd_pair_enabled():  # full: the offsets fit 32 bits
+            smem = (glog - 1) * vec * 4 * 256 + _GATE_TABLE_SLOTS * 8
+            name = f"normspec::normspec_gated_bwd_pair_kernel<{t}, {team_log}, {gc}>"
+            return BackwardLaunch(name, glog, groups, True, (block, smem, team_log))
+        return BackwardLaunch(f"normspec_bwd_pipe_kernel<{op}, {t}, 1, {team_log}, true, {gc}>",
+                              glog, groups, True,
+                              (block, pipe_smem_bytes(team_log, 1, vec, glog, True), team_log))
+    name = (f"normspec_bwd_pipe_kernel<{op}, {t}, {np_}, "
+            f"{team_log if full else -1}, {flag}, -1>")
     smem = pipe_smem_bytes(team_log, np_, vec, glog, table)
-    return name, glog, groups, table, (pipe_block(team_log), smem, team_log)
+    return BackwardLaunch(name, glog, groups, table, (block, smem, team_log))
 
 
 def persistent_grid(groups: int, team_log: int, per_sm: int, sm_count: int) -> int:
@@ -447,12 +574,32 @@ def gated_row_table_enabled() -> bool:
     return os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"
 
 
-def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int
+def gt_form(hf: bool, w_is_input: bool, w_raw: bool) -> int:
+    """The GT forward's form (``normspec_fwd_row_kernel``'s ``GTF``; ``gt_form_of`` of the
+    launcher): the vllm convention's own form 1, or 4 with the weight read in the input
+    dtype (`w_raw`); the transformers convention's 2 (fp32 weight), 3 (a weight of the input
+    dtype) or 5 (that weight read as it is, products in packed bf16); 0 the form of both
+    conventions. ``NORMSPEC_GT_VLLM_FORM``, ``NORMSPEC_GT_VLLM_W_RAW``,
+    ``NORMSPEC_GT_HF_FORM`` and ``NORMSPEC_GT_HF_PACKED_W`` (``=0``) turn each off."""
+    if not hf:
+        if _switched_off("NORMSPEC_GT_VLLM_FORM"):
+            return 0
+        return 4 if w_raw and not _switched_off("NORMSPEC_GT_VLLM_W_RAW") else 1
+    if _switched_off("NORMSPEC_GT_HF_FORM"):
+        return 0
+    if not w_is_input:
+        return 2
+    return 5 if w_raw and not _switched_off("NORMSPEC_GT_HF_PACKED_W") else 3
+
+
+def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
+                           *, hf: bool = False, w_is_input: bool = False, w_raw: bool = False
                            ) -> tuple[str, tuple[int, int, int], tuple[int, int, int], int] | None:
     """``(kernel name expression, grid, block, team_log)`` of the one-row forward that reads
     act(z) from the gate table in global memory (``GT``), for aligned bf16 gated launches
     of at least 2**20 elements whose rows fill a two-pass team of 4..64 lanes
-    (``forward_row_with_global_table``); ``None`` elsewhere."""
+    (``forward_row_with_global_table``), in the form ``gt_form(hf, w_is_input, w_raw)``;
+    ``None`` elsewhere."""
     if not (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
             and gated_row_table_enabled() and full_row_forms_enabled()
             and row_index_fits_32(rows) and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS):
@@ -462,7 +609,9 @@ def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_
     if np_ != 2 or hidden != (np_ * vec) << team_log or team_log not in _GLOBAL_TABLE_TEAM_LOGS:
         return None
     block = row_block(team_log, rows, sm_count)
-    name = f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true>"
+    form = gt_form(hf, w_is_input, w_raw)
+    name = (f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true"
+            + (f", {form}>" if form else ">"))
     return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
 
 
@@ -523,9 +672,45 @@ def backward_launch(op: int, dtype_code: int, rows: int, hidden: int, groups: in
             (threads, tpb, 1), True)
 
 
+#: The pipelined backward's constant forms: (NP, team_log).
+_BWD_FULL_FORMS = ((1, 4), (1, 5), (2, 7), (2, 8))
+#: The one-row rms backward's forms: the constant forms and the wide one (256 x 1).
+_BWD_ROW_FORMS = (*_BWD_FULL_FORMS, (1, 8))
+#: The gated backward's convention constants (``gated_gc``).
+_GATED_GCS = (0, 1, 3, 7)
+#: The GT forward's forms (``gt_form``).
+_GT_FORMS = range(6)
+
+
+def _backward_names(op: int, t: str) -> list[str]:
+    """The backward kernels of one (op, dtype) module, the dweight tree's included."""
+    names = [
+        *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
+        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, -1, {s}, -1>"
+          for s in ("false", "true") for n in _NPS),
+        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, {tl}, {s}, -1>"
+          for s in ("false", "true") for n, tl in _BWD_FULL_FORMS),
+        f"normspec_bwd_stream_kernel<{op}, {t}>",
+    ]
+    if op == OP_RMS:
+        names += [f"normspec_bwd_row_kernel<{t}, {n}, {tl}, {s}>"
+                  for s in ("false", "true") for n, tl in _BWD_ROW_FORMS]
+    if op == OP_GATED and t == CUDA_TYPES[DT_BF16]:
+        names += [f"normspec_bwd_pipe_kernel<{op}, {t}, 1, {tl}, true, {gc}>"
+                  for tl in (4, 5) for gc in _GATED_GCS]
+        names += [f"normspec::normspec_gated_bwd_pair_kernel<{t}, {tl}, {gc}>"
+                  for tl in (4, 5) for gc in _GATED_GCS]
+    # the tree; the last tree kernel for an fp32 weight or one of the input dtype
+    return [*names, "normspec_col_tree_kernel",
+            *dict.fromkeys(f"normspec_col_tree_last_kernel<{w}>" for w in ("float", t))]
+
+
 def name_expressions(op: int, dtype_code: int) -> list[str]:
-    """Every instantiation one (op, dtype) module holds (all the launchers can pick)."""
+    """Every instantiation one (op, dtype) module holds (all the launchers can pick);
+    ``OP_FUSED_SUM``'s module holds backward kernels only."""
     t = CUDA_TYPES[dtype_code]
+    if op == OP_FUSED_SUM:
+        return _backward_names(op, t)
     dnp = _row_default_np(op)
     return [
         *(f"normspec_fwd_row_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
@@ -533,18 +718,11 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_fwd_row_kernel<{op}, {t}, 1, {tl}>" for tl in range(4, 9)),
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
-        *(f"normspec_bwd_kernel<{op}, {t}, {n}>" for n in _NPS),
-        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, -1, false, -1>" for n in _NPS),
-        *(f"normspec_bwd_pipe_kernel<{op}, {t}, {n}, {tl}, false, -1>"
-          for n, tl in ((1, 4), (1, 5), (2, 7), (2, 8))),
-        f"normspec_bwd_stream_kernel<{op}, {t}>",
-        "normspec_col_tree_kernel",
-        # the weight is fp32 or of the input dtype
-        *dict.fromkeys(f"normspec_col_tree_last_kernel<{w}>" for w in ("float", t)),
+        *_backward_names(op, t),
         # the global gate table and the forms that read it (large bf16 gated forwards)
         *((FILL_GATE_TABLE_KERNEL,
-           *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true>"
-             for tl in _GLOBAL_TABLE_TEAM_LOGS))
+           *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true" + (f", {f}>" if f else ">")
+             for f in _GT_FORMS for tl in _GLOBAL_TABLE_TEAM_LOGS))
           if op == OP_GATED and dtype_code == DT_BF16 else ()),
     ]
 
@@ -655,7 +833,8 @@ def sources_digest() -> str:
 
 def source_text() -> str:
     """The NVRTC program: the shared header as it is (the digest line keys caches)."""
-    return f"// normspec sources sha256 {sources_digest()}\n#include \"{KERNELS}\"\n"
+    includes = "".join(f'#include "{name}"\n' for name in _INCLUDES)
+    return f"// normspec sources sha256 {sources_digest()}\n{includes}"
 
 
 def cuda_include_dir() -> str | None:
@@ -854,7 +1033,7 @@ def available(*, compile: bool = True) -> str | None:
         return _compile_error
     if compile:
         try:
-            for op in (OP_RMS, OP_FUSED, OP_GATED):
+            for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
                 for dt in (DT_F32, DT_BF16, DT_F16):
                     _module(0, op, dt)
         except NVRTCCompileError as exc:
@@ -1097,7 +1276,7 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
     flags = F_OFFSET if (op != OP_GATED and offset != 0.0) else 0
     if weight.dtype == x.dtype:
         flags |= F_W_IS_INPUT
-    if op == OP_FUSED and params.get("residual_sum", "fp32") == "rounded":
+    if op in (OP_FUSED, OP_FUSED_SUM) and params.get("residual_sum", "fp32") == "rounded":
         flags |= F_ROUNDED
     if op == OP_GATED:
         if params.get("convention", "vllm") == "hf":
@@ -1153,17 +1332,50 @@ def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple
             np.float32(a.eps), np.float32(a.offset), np.int32(a.flags))
 
 
+def _weight_as_is(weight: Any, x: Any, dt: int) -> Any | None:
+    """``weight`` itself where the pipelined and one-row kernels may read it in the input
+    dtype (``F_W_RAW``: a contiguous, 16-byte aligned 16-bit weight of ``x``'s dtype; the
+    torch extension's ``offer_weight_as_is``), which saves an fp32 copy and its kernel;
+    else ``None``."""
+    if dt == DT_F32 or weight.dtype != x.dtype:
+        return None
+    if isinstance(weight, torch.Tensor):
+        if not weight.is_contiguous():
+            return None
+        weight = weight.detach()
+    elif not weight.flags.c_contiguous:
+        return None
+    return weight if _ptr(weight) % 16 == 0 else None
+
+
+def _with_weight(side: _TorchSide | _CupySide, a: _Args, weight: Any, dt: int,
+                 as_is: Any | None, keep: list) -> _Args:
+    """``a`` with the weight the launch reads: ``as_is`` (read in the input dtype,
+    ``F_W_RAW``) or an fp32 copy, the alignment flag then set again for its pointer."""
+    if as_is is not None:
+        keep.append(as_is)
+        return replace(a, w=_ptr(as_is), flags=a.flags | F_W_RAW)
+    w32 = side.weight_f32(weight, dt)
+    keep.append(w32)
+    esize = 4 if dt == DT_F32 else 2
+    return with_alignment(replace(a, w=_ptr(w32), flags=a.flags & ~F_ALIGNED), esize)
+
+
 def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
-             params: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The forward kernel on validated inputs; returns the outputs (input's kind)."""
+             params: Mapping[str, Any], *, keep_rstd: bool = False) -> tuple[Any, ...]:
+    """The forward kernel on validated inputs; returns the outputs (input's kind) and,
+    with ``keep_rstd``, last, each row's rstd (fp32, ``x.shape[:-1]``) as the kernels
+    write it for the backward to read."""
     x = rows[0]
     n_out = 2 if op == OP_FUSED else 1
     side = _side(kind, x)
     offset = float(params.get("offset", 0.0)) if op != OP_GATED else 0.0
     with side.context():
         outs = [side.empty_rows(x) for _ in range(n_out)]
+        rstd = side.empty_f32(tuple(x.shape[:-1])) if keep_rstd else None
+        results = (*(o for o, _ in outs), *((rstd[0],) if rstd is not None else ()))
         if _numel(x) == 0:
-            return tuple(o for o, _ in outs)
+            return results
         cp = side.cp
         import numpy as np
 
@@ -1177,40 +1389,52 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
             rv, sr = _row_view(cp, side.raw(rows[1]))
             keep.append(rv)
             r = _ptr(rv)
-        w32 = side.weight_f32(weight, dt)
-        a = _Args(x=_ptr(xv), r=r, w=_ptr(w32), y=_ptr(outs[0][1]),
+        a = _Args(x=_ptr(xv), r=r, y=_ptr(outs[0][1]),
                   y2=_ptr(outs[1][1]) if op == OP_FUSED else 0,
                   rows=nrows, H=hidden, sx=sx, sr=sr, sy=hidden,
                   sy2=hidden if op == OP_FUSED else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
-        a = with_alignment(a, 4 if dt == DT_F32 else 2)
-        args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
+        a = with_alignment(a, 4 if dt == DT_F32 else 2)  # the rows' (the weight's below)
+        as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
         row, gtab = None, None
         if a.flags & F_ALIGNED and row_forward_enabled():
             sm_count = _sm_count(cp, side.dev)
-            row = gated_row_table_launch(op, dt, nrows, hidden, sm_count)
+            row = gated_row_table_launch(op, dt, nrows, hidden, sm_count,
+                                         hf=bool(a.flags & F_HF),
+                                         w_is_input=bool(a.flags & F_W_IS_INPUT),
+                                         w_raw=as_is is not None)
             if row is not None:
                 gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
             if gtab is None:
                 row = row_forward_launch(op, dt, nrows, hidden, sm_count)
+        # the one-row kernels read a 16-bit weight as it is; the register kernels fp32
+        a = _with_weight(side, a, weight, dt, as_is if row is not None else None, keep)
+        if not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes: the register kernels
+            row = None
+        rstd_ptr = np.uint64(_ptr(rstd[1]) if rstd is not None else 0)
+        args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
         if row is not None:
             name, grid, block, team_log = row
-            # the one-row kernel also takes the team size (log2); rstd_out: not kept here;
-            # gtab: the global gate table of the GT forms, else none
+            # the one-row kernel also takes the team size (log2), then rstd_out and the
+            # global gate table of the GT forms (else none)
             _launch(_kernel(side.dev, op, dt, name), grid, block,
-                    (*args, np.int32(team_log), np.uint64(0), np.uint64(gtab or 0)))
+                    (*args, np.int32(team_log), rstd_ptr, np.uint64(gtab or 0)))
         else:
             name, grid, block = forward_launch(op, dt, nrows, hidden)
-            _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, np.uint64(0)))
-        del keep, w32
-        return tuple(o for o, _ in outs)
+            _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, rstd_ptr))
+        del keep
+        return results
 
 
 def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], weight: Any,
-              eps: float, params: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The backward kernels and the dweight row tree; returns ``(*row grads, dweight)``."""
+              eps: float, params: Mapping[str, Any], *, rstd: Any | None = None
+              ) -> tuple[Any, ...]:
+    """The backward kernels and the dweight row tree; returns ``(*row grads, dweight)``.
+    ``rstd``: the forward's (``_forward(..., keep_rstd=True)``), which the pipelined
+    kernels then read instead of recomputing it. ``OP_FUSED_SUM``: ``rows`` is the sum
+    s alone, ``grads`` (dy, dresidual_out), one row gradient ds."""
     x = rows[0]
-    n_rowgrads = 1 if op == OP_RMS else 2
+    n_rowgrads = 2 if op in (OP_FUSED, OP_GATED) else 1
     side = _side(kind, x)
     offset = float(params.get("offset", 0.0)) if op != OP_GATED else 0.0
     with side.context():
@@ -1221,45 +1445,77 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         import numpy as np
 
         dt = _dtype_code(kind, x)
+        esize = 4 if dt == DT_F32 else 2
         hidden = int(x.shape[-1])
         nrows = _numel(x) // hidden
         xv, sx = _row_view(cp, side.raw(x))
         dyv, sdy = _row_view(cp, side.raw(grads[0]))
         keep = [xv, dyv]
         r = sr = dres = sdres = 0
-        if op != OP_RMS:
+        if op in (OP_FUSED, OP_GATED):
             rv, sr = _row_view(cp, side.raw(rows[1]))
             keep.append(rv)
             r = _ptr(rv)
-        if op == OP_FUSED:
+        if op in (OP_FUSED, OP_FUSED_SUM):
             drv, sdres = _row_view(cp, side.raw(grads[1]))
             keep.append(drv)
             dres = _ptr(drv)
-        w32 = side.weight_f32(weight, dt)
         a = _Args(x=_ptr(xv), r=r, dy=_ptr(dyv), dres=dres, y=_ptr(outs[0][1]),
-                  y2=_ptr(outs[1][1]) if op != OP_RMS else 0, w=_ptr(w32),
+                  y2=_ptr(outs[1][1]) if n_rowgrads == 2 else 0,
                   rows=nrows, H=hidden, sx=sx, sr=sr, sdy=sdy, sdres=sdres, sy=hidden,
-                  sy2=hidden if op != OP_RMS else 0,
+                  sy2=hidden if n_rowgrads == 2 else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
-        a = with_alignment(a, 4 if dt == DT_F32 else 2)
+        a = with_alignment(a, esize)  # the rows' (the weight's below)
         sms = _sm_count(cp, side.dev)
         optin = _smem_optin(cp, side.dev)
+        reads_rstd = rstd is not None and saved_rstd_enabled()
+        as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
         pipe = (pipe_backward_launch(op, dt, nrows, hidden, sms, optin,
-                                     (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
+                                     (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2),
+                                     saved=reads_rstd, hf=bool(a.flags & F_HF),
+                                     w_is_input=bool(a.flags & F_W_IS_INPUT))
                 if a.flags & F_ALIGNED and pipe_backward_enabled() else None)
+        # the pipelined family reads a 16-bit weight as it is; the register kernels fp32
+        a = _with_weight(side, a, weight, dt, as_is if pipe is not None else None, keep)
+        if not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes: the register kernels
+            pipe = None
+        wdt = _dtype_code(kind, weight)
+        rstd_ptr = np.uint64(_ptr(rstd) if reads_rstd else 0)
+        final = (pipe is not None and pipe.groups == 1 and dt != DT_F32 and wdt == dt
+                 and dw_final_enabled())
         if pipe is not None:
-            # the pipelined backward: persistent teams, dweight stacks in shared memory
             name, glog, groups, table, (block, smem, team_log) = pipe
-            ws, wsv = side.empty_f32((groups, hidden))
+            if final:  # one group: the kernel stores dweight itself in the weight's dtype
+                dweight, wsv = side.empty_rows(weight)
+                a = replace(a, flags=a.flags | F_DW_FINAL)
+            else:
+                ws, wsv = side.empty_f32((groups, hidden))
             fn = _kernel(side.dev, op, dt, name)
-            per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
-                                          optin)
-            if table:
-                a = replace(a, flags=a.flags | F_GATE_TABLE)
-            args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
-                         (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
-            _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1), (block, 1, 1),
-                    (*args, np.int32(team_log), np.int32(glog), np.uint64(0)), smem)
+            if pipe.kind == "row":  # a team per row: no persistent grid, no stacks
+                args = _pack(np, a, (a.x, a.w, a.dy, a.y, _ptr(wsv)),
+                             (a.rows, a.sx, a.sdy, a.sy))
+                _launch(fn, (grid_for(nrows, block >> team_log), 1, 1), (block, 1, 1),
+                        (*args, rstd_ptr))
+            elif pipe.kind == "pair":  # 32-bit rows and strides, the saved rstd, no eps
+                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
+                                              optin)
+                i32 = np.int32
+                _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1),
+                        (block, 1, 1),
+                        (*(np.uint64(p) for p in (a.x, a.r, a.w, a.dy, a.y, a.y2, _ptr(wsv))),
+                         *(i32(v) for v in (a.rows, a.sx, a.sr, a.sdy, a.sy, a.sy2)),
+                         np.float32(a.offset), i32(a.flags), i32(glog), i32(groups), rstd_ptr),
+                        smem)
+            else:  # the pipelined backward: persistent teams, dweight stacks in shared memory
+                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
+                                              optin)
+                if table:
+                    a = replace(a, flags=a.flags | F_GATE_TABLE)
+                args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
+                             (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
+                _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1),
+                        (block, 1, 1), (*args, np.int32(team_log), np.int32(glog), rstd_ptr),
+                        smem)
         else:
             glog, groups = backward_plan(dt, nrows, hidden, sms)
             ws, wsv = side.empty_f32((groups, hidden))
@@ -1269,45 +1525,76 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
             if takes_glog:
                 args = (*args, np.int32(glog))
             _launch(_kernel(side.dev, op, dt, name), grid, block3, args)
-        tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
-        g = groups
-        while g > COL_TREE_LAST_MAX:
-            gout, clog, tgrid = col_tree_launch(g, hidden)
-            out, outv = side.empty_f32((gout, hidden))
-            _launch(tree, tgrid, (256, 1, 1),
-                    (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
-                     np.int32(clog)))
-            ws, wsv, g = out, outv, gout
-        wdt = _dtype_code(kind, weight)
-        if g == 1 and wdt == DT_F32:  # one fp32 row already is an fp32 weight's dweight
-            dweight = ws.reshape(hidden)
-        else:  # the last levels and the cast to the weight's dtype: one launch
-            dweight, dwv = side.empty_rows(weight)
-            clog1, slog, lgrid = col_tree_last_launch(g, hidden)
-            last = _kernel(side.dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>")
-            _launch(last, lgrid, (16, 16, 1),
-                    (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
-                     np.int32(clog1), np.int32(slog)))
-        del keep, w32
+        if not final:
+            dweight = _fold_dweight(side, op, dt, ws, wsv, groups, hidden, weight, kind)
+        del keep
         return (*(o for o, _ in outs), dweight)
 
 
+def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: Any,
+                  groups: int, hidden: int, weight: Any, kind: str) -> Any:
+    """dweight from the backward's ``groups`` fp32 workspace rows: tree levels of 16 rows
+    while more than ``COL_TREE_LAST_MAX`` are left, then one launch for the rest and the
+    cast to the weight's dtype (none for one row of an fp32 weight)."""
+    import numpy as np
+
+    tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
+    g = groups
+    while g > COL_TREE_LAST_MAX:
+        gout, clog, tgrid = col_tree_launch(g, hidden)
+        out, outv = side.empty_f32((gout, hidden))
+        _launch(tree, tgrid, (256, 1, 1),
+                (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
+                 np.int32(clog)))
+        ws, wsv, g = out, outv, gout
+    wdt = _dtype_code(kind, weight)
+    if g == 1 and wdt == DT_F32:  # one fp32 row already is an fp32 weight's dweight
+        return ws.reshape(hidden)
+    # the last levels and the cast to the weight's dtype: one launch
+    dweight, dwv = side.empty_rows(weight)
+    clog1, slog, lgrid = col_tree_last_launch(g, hidden)
+    last = _kernel(side.dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>")
+    _launch(last, lgrid, (16, 16, 1),
+            (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
+             np.int32(clog1), np.int32(slog)))
+    return dweight
+
+
 # ---- autograd for torch inputs ------------------------------------------------------
+def _norm_reads_new_residual(x: torch.Tensor, params: Mapping[str, Any]) -> bool:
+    """Whether the fused forward's new residual is the very sum its norm read: the
+    "rounded" convention, or float32 rows (where both conventions coincide)."""
+    return params.get("residual_sum", "fp32") == "rounded" or x.dtype == torch.float32
+
+
 class _NormFunction(torch.autograd.Function):
-    """Forward = the forward kernel; backward = the backward kernels (the spec's)."""
+    """Forward = the forward kernel, which also writes each row's rstd; backward = the
+    backward kernels (the spec's), reading that rstd. Where the fused op's new residual is
+    the sum its norm read, the backward reads that one row tensor instead of x and the
+    residual and writes ds once: dx and dresidual are the same bits by the spec (the torch
+    extension's ``fused_add_rms_norm_backward_from_sum``)."""
 
     @staticmethod
     def forward(ctx, op: int, eps: float, params: dict, weight, *rows):
         ctx.op, ctx.eps, ctx.params = op, eps, params
-        ctx.save_for_backward(weight, *rows)
-        return _forward("torch", op, rows, weight, eps, params)
+        *outs, rstd = _forward("torch", op, rows, weight, eps, params, keep_rstd=True)
+        ctx.from_sum = op == OP_FUSED and _norm_reads_new_residual(rows[0], params)
+        if ctx.from_sum:
+            ctx.save_for_backward(weight, rstd, outs[1])
+        else:
+            ctx.save_for_backward(weight, rstd, *rows)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        weight, *rows = ctx.saved_tensors
+        weight, rstd, *rows = ctx.saved_tensors
         grads = [torch.zeros_like(rows[0]) if g is None else g for g in grad_outputs]
+        if ctx.from_sum:
+            ds, dweight = _backward("torch", OP_FUSED_SUM, grads, rows, weight, ctx.eps,
+                                    ctx.params, rstd=rstd)
+            return (None, None, None, dweight, ds, ds)
         *row_grads, dweight = _backward("torch", ctx.op, grads, rows, weight, ctx.eps,
-                                        ctx.params)
+                                        ctx.params, rstd=rstd)
         return (None, None, None, dweight, *row_grads)
 
 

@@ -189,8 +189,8 @@ def record_calls(monkeypatch, name: str) -> list:
     picked = []
     real = getattr(cb, name)
 
-    def spy(*args):
-        picked.append(real(*args))
+    def spy(*args, **kwargs):
+        picked.append(real(*args, **kwargs))
         return picked[-1]
 
     monkeypatch.setattr(cb, name, spy)
@@ -243,6 +243,51 @@ def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
 
 
 
+@pytest.mark.parametrize("op,params", [v for v in VARIANTS if v[0] == "rms_norm_gated"],
+                         **_ids)
+def test_gated_backward_with_the_saved_rstd(op, params, monkeypatch, ext):
+    """Large bf16 gated launches through autograd (the forward's rstd saved) run the
+    extension's gate-table forms with the convention as constants: the pair kernel where
+    the dweight groups hold two rows or more (2**16 x 128: groups of 4), the pipelined
+    kernel's constant form for one-row groups (8192 x 256); the explicit backward
+    recomputes rstd (the run-time form). Every one gives the spec's bits (and the
+    extension's), bf16 and fp32 weights, and the hf convention's packed-weight form
+    (GC 7) and its switch (GC 3)."""
+    monkeypatch.delenv("NORMSPEC_GATED_BWD_PACKED_W", raising=False)
+    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    for seed, (shape, wdtype) in enumerate([((2**16, 128), torch.bfloat16),
+                                            ((2**16, 128), torch.float32),
+                                            ((8192, 256), torch.bfloat16)]):
+        check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
+    kinds = {(p.kind, p.name.split(", ")[-1].rstrip(">")) for p in picked}
+    hf = params["convention"] == "hf"
+    assert ("pair", "7" if hf else "0") in kinds and ("pipe", "-1") in kinds
+    assert ("pair", "1") in kinds if hf else ("pair", "1") not in kinds
+    assert any(p.kind == "pipe" and p.name.endswith(", true, 7>" if hf else ", true, 0>")
+               for p in picked)
+    if hf:
+        monkeypatch.setenv("NORMSPEC_GATED_BWD_PACKED_W", "0")
+        picked.clear()
+        check_torch(op, params, (2**16, 128), torch.bfloat16, torch.bfloat16, 5, ext=ext)
+        assert any(p.name.endswith("4, 3>") and p.kind == "pair" for p in picked)
+
+
+def test_one_row_backward_and_dweight_stored_by_its_kernel(monkeypatch, ext):
+    """Few rows of the rms norm run the one-row backward (256 x 1 for 2048 elements of 16
+    bits), with and without the saved rstd; one dweight group of a weight of the input
+    dtype is stored by the kernel itself (F_DW_FINAL): the spec's bits."""
+    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    for seed, shape in enumerate([(1, 2048), (64, 2048), (1, 256), (7, 128), (1, 1024)]):
+        for dtype, wdtype in DTYPE_PAIRS:
+            for op, params in (VARIANTS[1], VARIANTS[4]):
+                check_torch(op, params, shape, dtype, wdtype, seed, ext=ext)
+    names = {p.name for p in picked}
+    assert {"normspec_bwd_row_kernel<__nv_bfloat16, 1, 8, true>",
+            "normspec_bwd_row_kernel<__half, 1, 8, false>",
+            "normspec_bwd_row_kernel<float, 1, 5, true>"} <= names
+    assert any(n.startswith("normspec_bwd_pipe_kernel<3, ") for n in names)  # from the sum
+
+
 def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
     """x (randn) and a gate holding every one of the 2**16 bf16 values, shuffled, as
     rows_n x hidden bf16 rows (rows_n * hidden a multiple of 2**16)."""
@@ -268,17 +313,20 @@ def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
         monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     picked = record_calls(monkeypatch, "gated_row_table_launch")
     rows = _every_bf16_gate(32768, 128)
-    w = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
+    w32 = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
-    for op, params in GATED:
-        want = spec_forward(op, rows, w, EPS, params)
-        got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
-        assert_bits(got, want[0], f"every gate {params}")
+    for w in (w32, w32.to(torch.bfloat16)):
+        for op, params in GATED:
+            want = spec_forward(op, rows, w, EPS, params)
+            got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
+            assert_bits(got, want[0], f"every gate {params} weight {w.dtype}")
     if row_table == "0":
-        assert picked == [None] * len(GATED)
-    else:
-        assert [p[0] for p in picked] == (
-            ["normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true>"] * len(GATED))
+        assert picked == [None] * 2 * len(GATED)
+    else:  # the GT forms (gt_form): vllm 1, hf 2 (fp32 weight); 4, 5 (bf16 weight as it is)
+        forms = [1, 1, 2, 2, 4, 4, 5, 5]
+        assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
+        assert [p[0] for p in picked] == [
+            f"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, {f}>" for f in forms]
         assert {k[1] for k in cb._gate_tables_filled} == {False, True}  # both activations
 
 

@@ -202,8 +202,8 @@ def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkey
     ((name, grid, block, args),) = launches
     assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
     assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
-    if switch == "default":
-        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true>"
+    if switch == "default":  # the vllm convention's own GT form (an fp32 weight: 1)
+        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>"
         assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
     else:
         assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>"
@@ -214,6 +214,128 @@ def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkey
     cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
     assert [(n, a[-1]) for n, _, _, a in launches] == [
         ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>", np.uint64(0))]
+
+
+def _record_launches(monkeypatch) -> list:
+    """Runs the backend's launch plumbing on CPU tensors: every launch is recorded as
+    ``(kernel name, grid, block, args, shared memory)`` instead of run."""
+    launches = []
+    monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
+    monkeypatch.setattr(cb, "_sm_count", lambda cp, dev: 132)
+    monkeypatch.setattr(cb, "_smem_optin", lambda cp, dev: 232448)
+    monkeypatch.setattr(cb, "_prepare_pipe_kernel", lambda fn, key, block, smem, optin: 2)
+    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
+    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
+                        launches.append((fn, grid, block, args, shared_mem)))
+    for var in ("NORMSPEC_SAVED_RSTD", "NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW",
+                "NORMSPEC_DW_FINAL", "NORMSPEC_BWD_ROW", "NORMSPEC_GATED_BWD_PAIR",
+                "NORMSPEC_GATE_TABLE"):
+        monkeypatch.delenv(var, raising=False)
+    return launches
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_autograd_saves_rstd_and_the_backward_reads_it(wdtype, monkeypatch):
+    """Through autograd the forward passes an rstd buffer (one fp32 per row) to its kernel
+    and the backward passes that very buffer to the pipelined kernel that reads it. A
+    contiguous bf16 weight is read as it is (its own pointer, F_W_RAW) by both; an fp32
+    weight as it is too (it is fp32), without the flag."""
+    launches = _record_launches(monkeypatch)
+    x = torch.zeros(4096, 2048, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(2048, dtype=wdtype, requires_grad=True)
+    (y,) = cb._NormFunction.apply(cb.OP_RMS, 1e-6, {"offset": 1.0}, w, x)
+    (fwd, _, _, fargs, _), = launches
+    assert fwd == "normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>"
+    rstd = fargs[-2]
+    assert rstd != 0 and fargs[2] == np.uint64(w.data_ptr())
+    raw = wdtype == torch.bfloat16
+    assert bool(int(fargs[13]) & cb.F_W_RAW) == raw  # flags follow 5 pointers, 6 sizes, 2 floats
+    y.backward(torch.zeros_like(y))
+    bwd = launches[1]
+    assert bwd[0] == "normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, true, -1>"
+    assert bwd[3][-1] == rstd and bwd[3][2] == np.uint64(w.data_ptr())
+    assert bool(int(bwd[3][18]) & cb.F_W_RAW) == raw  # 8 pointers, 8 sizes, 2 floats
+    # 2048 groups of 2 rows: a tree level of 16, then the last launch (and the cast)
+    assert [n for n, *_ in launches[2:]] == [
+        "normspec_col_tree_kernel",
+        f"normspec_col_tree_last_kernel<{'__nv_bfloat16' if raw else 'float'}>"]
+    # the explicit backward recomputes rstd: the recomputing form, a null pointer
+    launches.clear()
+    cb._backward("torch", cb.OP_RMS, [y.detach()], [x.detach()], w.detach(), 1e-6,
+                 {"offset": 1.0})
+    assert launches[0][0].endswith("2, 7, false, -1>") and launches[0][3][-1] == 0
+
+
+@pytest.mark.parametrize("residual_sum,dtype,from_sum", [
+    ("rounded", torch.bfloat16, True), ("fp32", torch.float32, True),
+    ("fp32", torch.bfloat16, False)])
+def test_fused_backward_from_the_sum(residual_sum, dtype, from_sum, monkeypatch):
+    """Where the fused op's new residual is the sum its norm read, autograd's backward runs
+    OP_FUSED_SUM on that tensor (no residual row) and gives its one gradient row to x and
+    the residual alike; otherwise OP_FUSED on x and the residual, two gradient rows."""
+    launches = _record_launches(monkeypatch)
+    x = torch.zeros(64, 2048, dtype=dtype, requires_grad=True)
+    r = torch.zeros(64, 2048, dtype=dtype, requires_grad=True)
+    w = torch.zeros(2048, dtype=dtype, requires_grad=True)
+    params = {"offset": 1.0, "residual_sum": residual_sum}
+    y, res = cb._NormFunction.apply(cb.OP_FUSED, 1e-6, params, w, x, r)
+    rstd = launches[0][3][-2]
+    launches.clear()
+    dx, dr, _ = torch.autograd.grad((y, res), (x, r, w), (torch.zeros_like(y),) * 2)
+    name, _, _, args, _ = launches[0]
+    assert name.startswith(f"normspec_bwd_pipe_kernel<{3 if from_sum else 1}, ")
+    assert args[-1] == rstd
+    if from_sum:  # x = s, r = 0, d2 = 0
+        assert args[0] == np.uint64(res.data_ptr()) and args[1] == 0 and args[6] == 0
+        assert dx.data_ptr() == dr.data_ptr()
+        assert int(args[18]) & cb.F_ROUNDED == (cb.F_ROUNDED if residual_sum == "rounded" else 0)
+    else:
+        assert args[0] == np.uint64(x.data_ptr()) and args[1] == np.uint64(r.data_ptr())
+        assert dx.data_ptr() != dr.data_ptr()
+
+
+@pytest.mark.parametrize("convention,wdtype,gc", [
+    ("vllm", torch.bfloat16, 0), ("hf", torch.float32, 1), ("hf", torch.bfloat16, 7)])
+def test_gated_backward_pair_kernel_arguments(convention, wdtype, gc, monkeypatch):
+    """The bench's GDN shape with the saved rstd launches the pair kernel: 32-bit rows and
+    strides, no eps, the table's and the stacks' shared memory, the persistent grid."""
+    launches = _record_launches(monkeypatch)
+    x = torch.empty(2**17, 256, dtype=torch.bfloat16)
+    rstd = torch.empty(2**17)
+    w = torch.empty(256, dtype=wdtype)
+    cb._backward("torch", cb.OP_GATED, [x], [x, x], w, 1e-6, {"convention": convention},
+                 rstd=rstd)
+    name, grid, block, args, smem = launches[0]
+    assert name == f"normspec::normspec_gated_bwd_pair_kernel<__nv_bfloat16, 5, {gc}>"
+    assert len(args) == 18 and [type(v) for v in args[7:13]] == [np.int32] * 6
+    assert [int(v) for v in args[7:13]] == [2**17, 256, 256, 256, 256, 256]
+    assert isinstance(args[13], np.float32) and args[-1] == np.uint64(rstd.data_ptr())
+    assert (int(args[15]), int(args[16])) == (4, 2**13)  # glog, groups
+    assert smem == 8192 * 8 + 3 * 8 * 4 * 256 and block == (256, 1, 1)
+    assert grid == (264, 1, 1)  # two blocks a SM (the stub's occupancy)
+    assert bool(int(args[14]) & cb.F_W_RAW) == (wdtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_one_group_backward_stores_dweight_itself(wdtype, monkeypatch):
+    """One row of 2048 bf16: the one-row backward (256 x 1) and one dweight group, which
+    the kernel stores in the weight's dtype itself (F_DW_FINAL, no tree launch) for a
+    weight of the input dtype; an fp32 weight's one fp32 row is its dweight."""
+    launches = _record_launches(monkeypatch)
+    x = torch.empty(1, 2048, dtype=torch.bfloat16)
+    w = torch.empty(2048, dtype=wdtype)
+    _, dweight = cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+    ((name, grid, block, args, _),) = launches
+    assert name == "normspec_bwd_row_kernel<__nv_bfloat16, 1, 8, false>"
+    assert (grid, block) == ((1, 1, 1), (256, 1, 1))
+    assert len(args) == 13 and args[4] == np.uint64(dweight.data_ptr())
+    assert dweight.dtype == wdtype and dweight.shape == (2048,)
+    assert bool(int(args[11]) & cb.F_DW_FINAL) == (wdtype == torch.bfloat16)
+    monkeypatch.setenv("NORMSPEC_DW_FINAL", "0")
+    launches.clear()
+    cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+    assert [n for n, *_ in launches][1:] == (
+        ["normspec_col_tree_last_kernel<__nv_bfloat16>"] if wdtype == torch.bfloat16 else [])
 
 
 class _FakeStream:
@@ -301,13 +423,27 @@ def test_launch_shapes():
     assert cb.col_tree_last_launch(12, 100) == (4, 0, (7, 1, 1))
     assert cb.col_tree_last_launch(256, 2048) == (4, 4, (128, 1, 1))
     assert cb.col_tree_last_launch(129, 1) == (4, 4, (1, 1, 1))
-    for op in (0, 1, 2):
+    for op in (0, 1, 2, 3):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            # the last tree kernel for an fp32 weight and, but for fp32 rows, one of x's
-            # dtype; bf16 gated: the global gate table's fill and its five row forms
-            table = 6 if (op, dt) == (cb.OP_GATED, cb.DT_BF16) else 0
-            assert len(names) == len(set(names)) == (33 if dt == cb.DT_F32 else 34) + table
+            # forward: 3 general one-row forms, 8 + 5 constant ones, 3 register, 1 streaming;
+            # backward: 3 register, 1 streaming, 2 x (3 general + 4 constant) pipelined
+            # (recomputing and reading the saved rstd), the rms norm's 2 x 5 one-row
+            # forms; the tree kernel and the last one for an fp32 weight and, but for
+            # fp32 rows, one of x's dtype; bf16 gated: the global gate table's fill, its
+            # 6 x 5 GT row forms, 8 + 8 gate-table backward forms (pipelined, pair);
+            # OP_FUSED_SUM: the backward alone
+            forward = 0 if op == cb.OP_FUSED_SUM else 20
+            extra = {cb.OP_RMS: 10, cb.OP_GATED: 47 if dt == cb.DT_BF16 else 0}.get(op, 0)
+            tree = 2 if dt == cb.DT_F32 else 3
+            assert len(names) == len(set(names)) == forward + 18 + tree + extra
+            if op == cb.OP_FUSED_SUM:
+                assert not any(n.startswith("normspec_fwd") for n in names)
+                for hidden in (128, 2048, 1003):
+                    bwd = cb.pipe_backward_launch(op, dt, 4096, hidden, 132, 232448,
+                                                  saved=True)
+                    assert bwd.name in names
+                continue
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
                 assert cb.forward_launch(op, dt, 5, hidden)[0] in names
                 assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
@@ -329,11 +465,13 @@ def test_launch_shapes():
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
     # the bench's GDN norm on an H200 (132 SMs): teams of 8 lanes, one-warp blocks
     (cb.OP_GATED, cb.DT_BF16, 2**21, 128,
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true>", (2**19, 1, 1), (32, 1, 1), 3)),
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, 1>", (2**19, 1, 1), (32, 1, 1),
+      3)),
     (cb.OP_GATED, cb.DT_BF16, 8192, 1024,  # the largest form: teams of 64 lanes
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 6, true>", (8192, 1, 1), (64, 1, 1), 6)),
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 6, true, 1>", (8192, 1, 1), (64, 1, 1), 6)),
     (cb.OP_GATED, cb.DT_BF16, 2**15, 64,  # the smallest: teams of 4 lanes
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true>", (512, 1, 1), (256, 1, 1), 2)),
+     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>", (512, 1, 1), (256, 1, 1),
+      2)),
     (cb.OP_GATED, cb.DT_BF16, 2**14, 64, None),  # few rows: one pass of 8 lanes
     (cb.OP_GATED, cb.DT_BF16, 4096, 128, None),  # 2**19 elements: no table
     (cb.OP_GATED, cb.DT_BF16, 2**20, 2048, None),  # teams of 128 lanes: no such form
@@ -347,6 +485,13 @@ def test_gated_row_table_launch(op, dt, rows, hidden, want, monkeypatch):
     for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_GATED_ROW_TABLE"):
         monkeypatch.delenv(var, raising=False)
     assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) == want
+    if want is not None:  # the GT forms of the conventions and weights (gt_form)
+        forms = {(False, False, False): 1, (False, True, True): 4, (True, False, False): 2,
+                 (True, True, False): 3, (True, True, True): 5}
+        for (hf, w_in, w_raw), form in forms.items():
+            got = cb.gated_row_table_launch(op, dt, rows, hidden, 132, hf=hf, w_is_input=w_in,
+                                            w_raw=w_raw)
+            assert got == (want[0].replace(", 1>", f", {form}>"), *want[1:]), (hf, w_in, w_raw)
     if want is not None:  # each switch turns it off
         for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_GATED_ROW_TABLE"):
             monkeypatch.setenv(var, "0")
@@ -418,6 +563,100 @@ def test_pipe_backward_launch(op, dt, rows, hidden, want):
     teams_per_block = block >> team_log
     grid = cb.persistent_grid(groups, team_log, 2, 132)
     assert grid == min(-(-groups // teams_per_block), 264)
+
+
+_BF16 = "__nv_bfloat16"
+_PAIR = "normspec::normspec_gated_bwd_pair_kernel"
+_GATED_GRID = (cb.OP_GATED, cb.DT_BF16, 2**21, 128)  # the bench's GDN norm
+
+
+@pytest.mark.parametrize("args,kw,env,want", [
+    # the saved rstd: the constant forms that read it
+    ((cb.OP_RMS, cb.DT_BF16, 32768, 2048), {"saved": True}, {},
+     (f"normspec_bwd_pipe_kernel<0, {_BF16}, 2, 7, true, -1>", 4, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 32768, 2048), {"saved": True}, {"NORMSPEC_SAVED_RSTD": "0"},
+     (f"normspec_bwd_pipe_kernel<0, {_BF16}, 2, 7, false, -1>", 4, False)),
+    ((cb.OP_FUSED_SUM, cb.DT_BF16, 32768, 2048), {"saved": True}, {},
+     (f"normspec_bwd_pipe_kernel<3, {_BF16}, 2, 7, true, -1>", 4, False)),
+    ((cb.OP_RMS, cb.DT_F16, 100000, 1003), {"saved": True}, {},  # the general form
+     ("normspec_bwd_pipe_kernel<0, __half, 2, -1, true, -1>", 5, False)),
+    # the rms norm's one-row groups: a team per row, 128 x 2 as 256 x 1 up to 8 x SMs rows
+    ((cb.OP_RMS, cb.DT_BF16, 1, 2048), {}, {},
+     (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, false>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 1056, 2048), {"saved": True}, {},
+     (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, true>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 1057, 2048), {"saved": True}, {},
+     (f"normspec_bwd_row_kernel<{_BF16}, 2, 7, true>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 1057, 2048), {"saved": True}, {"NORMSPEC_BWD_ROW_WIDE": "2"},
+     (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, true>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 64, 2048), {}, {"NORMSPEC_BWD_ROW_WIDE": "0"},
+     (f"normspec_bwd_row_kernel<{_BF16}, 2, 7, false>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 64, 256), {"saved": True}, {},
+     (f"normspec_bwd_row_kernel<{_BF16}, 1, 5, true>", 0, False)),
+    ((cb.OP_RMS, cb.DT_BF16, 64, 256), {"saved": True}, {"NORMSPEC_BWD_ROW": "0"},
+     (f"normspec_bwd_pipe_kernel<0, {_BF16}, 1, 5, true, -1>", 0, False)),
+    ((cb.OP_FUSED, cb.DT_BF16, 64, 2048), {}, {},  # the rms norm's only
+     (f"normspec_bwd_pipe_kernel<1, {_BF16}, 2, 7, false, -1>", 0, False)),
+    # the gate-table backward with the saved rstd: the convention as constants, two rows
+    # a team per iteration where the groups have two rows or more
+    (_GATED_GRID, {"saved": True}, {}, (f"{_PAIR}<{_BF16}, 4, 0>", 5, True)),
+    (_GATED_GRID, {"saved": True, "hf": True}, {}, (f"{_PAIR}<{_BF16}, 4, 1>", 5, True)),
+    (_GATED_GRID, {"saved": True, "hf": True, "w_is_input": True}, {},
+     (f"{_PAIR}<{_BF16}, 4, 7>", 5, True)),
+    (_GATED_GRID, {"saved": True, "hf": True, "w_is_input": True},
+     {"NORMSPEC_GATED_BWD_PACKED_W": "0"}, (f"{_PAIR}<{_BF16}, 4, 3>", 5, True)),
+    (_GATED_GRID, {"saved": True}, {"NORMSPEC_GATED_BWD_PAIR": "0"},
+     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>", 5, True)),
+    (_GATED_GRID, {}, {},  # recomputing rstd: the run-time convention
+     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, false, -1>", 5, True)),
+    (_GATED_GRID, {"saved": True}, {"NORMSPEC_GATE_TABLE": "0"},
+     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, -1>", 5, False)),
+    ((cb.OP_GATED, cb.DT_BF16, 8192, 128), {"saved": True}, {},  # one-row groups
+     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>", 0, True)),
+    ((cb.OP_GATED, cb.DT_BF16, 2**17, 256), {"saved": True}, {},
+     (f"{_PAIR}<{_BF16}, 5, 0>", 4, True)),
+    ((cb.OP_GATED, cb.DT_F16, 2**21, 128), {"saved": True}, {},  # the table holds bf16
+     ("normspec_bwd_pipe_kernel<2, __half, 1, 4, true, -1>", 5, False)),
+])
+def test_pipe_backward_launch_forms(args, kw, env, want, monkeypatch):
+    """The forms ``launch_bwd_pipe`` picks: the saved rstd's, the one-row backward, the
+    gated convention as constants and the pair kernel, each switch's fallback."""
+    for var in ("NORMSPEC_SAVED_RSTD", "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE",
+                "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_GATED_BWD_PACKED_W", "NORMSPEC_GATE_TABLE",
+                "NORMSPEC_FULL_ROW"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    launch = cb.pipe_backward_launch(*args, 132, 232448, **kw)
+    assert (launch.name, launch.glog, launch.table) == want
+    assert launch.name in cb.name_expressions(args[0], args[1])
+    rows, hidden = args[2], args[3]
+    assert launch.groups == -(-rows // (1 << launch.glog))
+    block, smem, team_log = launch.shape
+    if launch.kind == "row":  # a team per row, blocks of 256 lanes or of one team
+        assert smem == 0 and launch.glog == 0
+        assert block == (256 if team_log <= 5 else 1 << team_log)
+        assert hidden == int(launch.name.split(", ")[1]) * 8 << team_log  # one full row
+    elif launch.kind == "pair":  # the table, then glog - 1 stack levels of 8 floats a thread
+        assert smem == 8192 * 8 + (launch.glog - 1) * 8 * 4 * 256 and block == 256
+    else:
+        np_ = int(launch.name.split(", ")[2])
+        assert smem == cb.pipe_smem_bytes(team_log, np_, cb.vec_of(args[1]), launch.glog,
+                                          launch.table)
+    assert cb.fits_smem(smem, 232448)
+
+
+def test_gt_form_switches(monkeypatch):
+    for var in ("NORMSPEC_GT_VLLM_FORM", "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_FORM",
+                "NORMSPEC_GT_HF_PACKED_W"):
+        monkeypatch.delenv(var, raising=False)
+    assert [cb.gt_form(False, True, True), cb.gt_form(True, True, True)] == [4, 5]
+    monkeypatch.setenv("NORMSPEC_GT_VLLM_W_RAW", "0")
+    monkeypatch.setenv("NORMSPEC_GT_HF_PACKED_W", "0")
+    assert [cb.gt_form(False, True, True), cb.gt_form(True, True, True)] == [1, 3]
+    monkeypatch.setenv("NORMSPEC_GT_VLLM_FORM", "0")
+    monkeypatch.setenv("NORMSPEC_GT_HF_FORM", "0")
+    assert [cb.gt_form(False, True, True), cb.gt_form(True, False, False)] == [0, 0]
 
 
 def test_pipe_backward_constant_forms_only_where_offsets_fit_32_bits():
@@ -729,8 +968,8 @@ def _nvrtc_or_skip():
 
 
 @pytest.mark.parametrize("dt", [cb.DT_F32, cb.DT_BF16, cb.DT_F16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("op", [cb.OP_RMS, cb.OP_FUSED, cb.OP_GATED],
-                         ids=["rms", "fused", "gated"])
+@pytest.mark.parametrize("op", [cb.OP_RMS, cb.OP_FUSED, cb.OP_GATED, cb.OP_FUSED_SUM],
+                         ids=["rms", "fused", "gated", "fused-from-sum"])
 def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     _nvrtc_or_skip()
     names = cb.name_expressions(op, dt)
@@ -747,6 +986,12 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     # the pipelined backward: x, r, the weight as void*, dy, dres, dx, d2, ws, 8 long long,
     # eps, offset, flags, team_log, glog, the saved rstd (the launcher packs a null pointer)
     pipe = "PKT0_S[0-9]_PKvS[0-9]_S[0-9]_PS[0-9]_S[0-9]_PfxxxxxxxxffiiiPKf$"
+    # the one-row rms backward: x, the weight as void*, dy, dx, ws, rows, 3 strides, eps,
+    # offset, flags, the saved rstd
+    bwd_row = "PKT_PKvS[0-9]_PS[0-9]_PfxxxxffiPKf$"
+    # the gated pair kernel: x, z, the weight, dy, dx, dz, ws, rows and 5 strides in 32
+    # bits, offset, flags, glog, groups, the saved rstd
+    pair = "PKT_S[0-9]_PKvS[0-9]_PS[0-9]_S[0-9]_PfiiiiiifiiiPKf$"
     for name, low in mapping.items():
         if name.startswith("normspec_fwd_row"):
             assert re.search(row, low), (name, low)
@@ -760,6 +1005,10 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
             assert re.search("Pfxxxxxxxxffi$", low), (name, low)
         elif name.startswith("normspec_bwd_pipe"):
             assert re.search(pipe, low), (name, low)
+        elif name.startswith("normspec_bwd_row"):
+            assert re.search(bwd_row, low), (name, low)
+        elif name.startswith("normspec::normspec_gated_bwd_pair"):
+            assert re.search(pair, low), (name, low)
         elif name.startswith("normspec_col_tree_last"):  # in, out (weight dtype), G, H, logs
             assert re.search("^_Z29normspec_col_tree_last_kernelI.*EvPKfPT_xxii$", low), low
         else:
