@@ -234,8 +234,10 @@ def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
         check_torch(op, params, (8192, 128), torch.bfloat16, torch.bfloat16, 11, ext=ext)
     if pipe == "1":
         assert picked and all(p is not None for p in picked)
-        assert any(p[0].split(", ")[3] == "-1" for p in picked)  # the general form
-        assert any(p[0].split(", ")[3] != "-1" for p in picked)  # the constant forms
+        pipes = [p for p in picked if p.kind == "pipe"]  # (the others: one-row, pair)
+        assert any(p.name.split(", ")[3] == "-1" for p in pipes)  # the general form
+        assert any(p.name.split(", ")[3] != "-1" for p in pipes)  # the constant forms
+        assert {p.kind for p in picked} == {"pipe", "row", "pair"}
         assert any(p[3] for p in picked)  # the gate table
         assert any(p[4][1] + 2048 > 48 * 1024 for p in picked)  # the opt-in
     else:
