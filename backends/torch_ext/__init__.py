@@ -31,8 +31,9 @@ weight of the input dtype) as a compile-time constant and one table lookup per v
 (on an H200, 2**21 x 128: 821 us against 939 before); where its dweight groups have two
 rows or more (large launches), a kernel of its own that takes two rows a team per
 iteration (698 us against 766). Other rows (unaligned views,
-longer rows) run on the register and streaming kernels, which the CuPy backend shares
-(it also runs the one-row forward and the pipelined backward). Every geometry gives
+longer rows) run on the register and streaming kernels. The CuPy backend launches all
+of these kernels the same way (its launcher mirrors this one's in Python), but for the
+persistent forward and the chained tree launches. Every geometry gives
 the same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
@@ -48,14 +49,15 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_GATED_ROW_TABLE=0``: large bf16 gated forwards of 64..1024-element rows
   run the persistent kernel with a gate table per block in shared memory, instead of
   one row per team reading act(z) from a gate table in global memory that is filled
-  once per process and device (the CuPy backend evaluates every gate instead);
+  once per process and device (the CuPy backend then runs the one-row forward that
+  evaluates every gate);
 * ``NORMSPEC_TREE_LAST=0``: dweight's workspace tree folded by levels of 16 rows down
   to one row and then cast, instead of a last launch that folds up to 256 rows and
   casts (the torch extension only);
 * ``NORMSPEC_DW_FINAL=0``: where the pipelined backward has one dweight group (one
   row) of a 16-bit input whose weight has its dtype, the workspace row and a cast
-  launch, instead of the backward kernel storing dweight itself (the torch extension
-  only);
+  launch, instead of the backward kernel storing dweight itself (the CuPy backend
+  reads it too);
 * ``NORMSPEC_PDL=0``: dweight's tree launches wait for the kernel before them to end
   before they start, instead of starting early and waiting on the GPU (programmatic
   dependent launch, compute capability 9.0 and later, never inside a CUDA graph
@@ -112,7 +114,9 @@ the same bits; these variables only change speed (read once per process):
   a team per iteration, adds their dweight contributions in registers, keeps the
   weight in registers and does its row arithmetic in 32 bits (the same bits; on an
   H200, 2**21 x 128 in the micro harness: 698 us against 766 for the vLLM convention,
-  700 against 773 for the transformers one; the torch extension only).
+  700 against 773 for the transformers one). The CuPy backend reads these backward
+  switches, ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE`` and
+  the ``NORMSPEC_GT_*`` switches too, at each call.
 
 Build-time experiments go through ``NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or
 ``NAME=VALUE``, passed as ``-D`` flags to every source; such a build is cached in a
