@@ -33,7 +33,9 @@ itself (``F_DW_FINAL``). Through autograd (torch inputs) the forward also writes
 row's rstd, which the backward then reads, and a fused add whose new residual is the sum
 its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor and runs
 the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
-explicit backward functions recompute rstd. Not launched from here: the persistent
+explicit backward functions do the same given ``rstd`` (from the ``*_with_rstd``
+forwards) and the sum (``fused_add_rms_norm_backward_from_sum``); else they recompute
+rstd. Not launched from here: the persistent
 forward with a gate table per block, and chained (programmatic dependent) launches of
 the dweight tree. Every kernel gives the spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
@@ -60,8 +62,10 @@ Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind
 * [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]`(x, gate, weight, *,
   eps, convention="vllm", activation="silu")`
 * the explicit backward functions ``rms_norm_backward``, ``fused_add_rms_norm_backward``,
-  ``rms_norm_gated_backward`` (same arguments and results as the torch extension's
-  ``torch.ops.normspec.*_backward``)
+  ``fused_add_rms_norm_backward_from_sum``, ``rms_norm_gated_backward`` (same arguments
+  and results as the torch extension's ``torch.ops.normspec.*_backward*``, ``rstd`` a
+  keyword), and the forwards that also return rstd for them, ``rms_norm_with_rstd``,
+  ``fused_add_rms_norm_with_rstd``, ``rms_norm_gated_with_rstd`` (no autograd)
 * [`available`][normspec.backends.cupy_backend.available]`() -> str | None`
 
 torch tensors enter zero-copy as pointers and strides (no CuPy view); outputs are
@@ -125,6 +129,8 @@ __all__ = [
     "full_row_forms_enabled",
     "fused_add_rms_norm",
     "fused_add_rms_norm_backward",
+    "fused_add_rms_norm_backward_from_sum",
+    "fused_add_rms_norm_with_rstd",
     "gated_row_table_enabled",
     "gated_row_table_launch",
     "name_expressions",
@@ -137,6 +143,8 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_gated_with_rstd",
+    "rms_norm_with_rstd",
     "row_block",
     "row_forward_enabled",
     "row_forward_launch",
@@ -1139,17 +1147,18 @@ def _cp_check_weight(w: object, x: Any) -> None:
 
 
 def _validate(rows: Mapping[str, object], weight: object) -> str:
-    """Check the row inputs (``x`` first) and the weight; returns the input kind."""
+    """Check the row inputs (``x``, or the fused backward's sum ``s``, first) and the
+    weight; returns the input kind."""
     names = list(rows)
     x = rows[names[0]]
-    kind = _kind("x", x)
+    kind = _kind(names[0], x)
     if kind == "torch":
-        check_input("x", x)
+        check_input(names[0], x)
         for n in names[1:]:
             check_like(n, rows[n], x)
         check_weight(weight, x)
     else:
-        _cp_check_input("x", x)
+        _cp_check_input(names[0], x)
         for n in names[1:]:
             _cp_check_like(n, rows[n], x)
         _cp_check_weight(weight, x)
@@ -1603,9 +1612,8 @@ class _NormFunction(torch.autograd.Function):
         return (None, None, None, dweight, *row_grads)
 
 
-def _run(op: int, rows: Mapping[str, Any], weight: Any, eps: float,
-         params: dict[str, Any]) -> tuple[Any, ...]:
-    kind = _validate(rows, weight)
+def _check_params(eps: float, params: dict[str, Any]) -> float:
+    """Checks eps and the op's parameters (``params`` updated in place); returns eps."""
     eps = check_eps(eps)
     if "offset" in params:
         params["offset"] = check_offset(params["offset"])
@@ -1613,37 +1621,86 @@ def _run(op: int, rows: Mapping[str, Any], weight: Any, eps: float,
                          ("activation", ACTIVATIONS)):
         if key in params:
             params[key] = check_choice(key, params[key], choices)
+    return eps
+
+
+_OP_NAMES = {code: name for name, code in OP_CODES.items()}
+
+
+def _run(op: int, rows: Mapping[str, Any], weight: Any, eps: float,
+         params: dict[str, Any], *, with_rstd: bool = False) -> tuple[Any, ...]:
+    kind = _validate(rows, weight)
+    eps = _check_params(eps, params)
     values = list(rows.values())
     if kind == "torch":
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in [*values, weight])
+        if grad and with_rstd:
+            name = _OP_NAMES[op]
+            raise ValueError(
+                f"{name}_with_rstd: builds no autograd graph, and an input requires grad; "
+                f"call {name} (its autograd keeps rstd itself) or run under torch.no_grad()")
         _check_torch_device(values[0])
         _cupy()
-        tensors = [*values, weight]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if grad:
             return _NormFunction.apply(op, eps, params, weight, *values)
     else:
         _cupy()
-    return _forward(kind, op, values, weight, eps, params)
+    return _forward(kind, op, values, weight, eps, params, keep_rstd=with_rstd)
+
+
+def _check_rstd(kind: str, rstd: Any, x: Any) -> None:
+    """The forward's rstd given to a backward: float32, the shape of x without its last
+    dimension, contiguous, of x's kind and on x's device (as the torch extension's
+    ``given_rstd``)."""
+    if rstd is None:
+        return
+    want = tuple(x.shape[:-1])
+    if kind == "torch":
+        if not isinstance(rstd, torch.Tensor):
+            raise TypeError(f"rstd: expected a torch.Tensor like x, got {type(rstd).__name__}")
+        dtype, contiguous = str(rstd.dtype).removeprefix("torch."), rstd.is_contiguous()
+        device, x_device = rstd.device, x.device
+    else:
+        if not _is_cupy_array(rstd):
+            raise TypeError(f"rstd: expected a CuPy array like x, got {type(rstd).__name__}")
+        dtype, contiguous = rstd.dtype.name, bool(rstd.flags.c_contiguous)
+        device, x_device = f"cuda:{rstd.device.id}", f"cuda:{x.device.id}"
+    if dtype != "float32":
+        raise TypeError(f"rstd: expected dtype float32, got {dtype}")
+    if tuple(rstd.shape) != want:
+        raise ValueError("rstd: expected the shape of x without its last dimension, "
+                         f"{want}, got {tuple(rstd.shape)}")
+    if not contiguous:
+        raise ValueError("rstd: expected a contiguous array")
+    if device != x_device:
+        raise ValueError(f"rstd: expected the device of x, {x_device}, got {device}")
 
 
 def _run_backward(op: int, grads: Mapping[str, Any], rows: Mapping[str, Any], weight: Any,
-                  eps: float, params: dict[str, Any]) -> tuple[Any, ...]:
+                  eps: float, params: dict[str, Any], rstd: Any | None = None
+                  ) -> tuple[Any, ...]:
     kind = _validate(rows, weight)
     x = next(iter(rows.values()))
     for n, g in grads.items():
         (check_like if kind == "torch" else _cp_check_like)(n, g, x)
-    eps = check_eps(eps)
-    if "offset" in params:
-        params["offset"] = check_offset(params["offset"])
-    for key, choices in (("residual_sum", RESIDUAL_SUMS), ("convention", GATED_CONVENTIONS),
-                         ("activation", ACTIVATIONS)):
-        if key in params:
-            params[key] = check_choice(key, params[key], choices)
+    eps = _check_params(eps, params)
+    _check_rstd(kind, rstd, x)
+    if op == OP_FUSED_SUM and params["residual_sum"] != "rounded" and (
+            _dtype_code(kind, x) != DT_F32):
+        raise ValueError(
+            "residual_sum: the backward from the saved sum needs 'rounded' or float32 rows "
+            f"(the norm of 'fp32' reads the unrounded sum), got 'fp32' with s of dtype "
+            f"{_dtype_name(kind, x)}")
     if kind == "torch":
         _check_torch_device(x)
     _cupy()
     with torch.no_grad():
         return _backward(kind, op, list(grads.values()), list(rows.values()), weight, eps,
-                         params)
+                         params, rstd=rstd)
+
+
+def _dtype_name(kind: str, x: Any) -> str:
+    return str(x.dtype) if kind == "torch" else x.dtype.name
 
 
 # ---- public operators ---------------------------------------------------------------
@@ -1677,31 +1734,91 @@ def rms_norm_gated(x: Any, gate: Any, weight: Any, *, eps: float, convention: st
                 {"convention": convention, "activation": activation})[0]
 
 
-def rms_norm_backward(dy: Any, x: Any, weight: Any, *, eps: float,
-                      offset: float = 0.0) -> tuple[Any, Any]:
-    """``(dx, dweight)`` of [`rms_norm`][normspec.backends.cupy_backend.rms_norm]."""
-    dx, dw = _run_backward(OP_RMS, {"dy": dy}, {"x": x}, weight, eps, {"offset": offset})
+def rms_norm_with_rstd(x: Any, weight: Any, *, eps: float, offset: float = 0.0
+                       ) -> tuple[Any, Any]:
+    """``(y, rstd)``: [`rms_norm`][normspec.backends.cupy_backend.rms_norm] and each row's
+    rstd as the forward kernel computed it (float32, ``x.shape[:-1]``: the spec's bits),
+    for the explicit backward's ``rstd``, which then reads it instead of recomputing it
+    (the torch extension's ``rms_norm_with_rstd``). It builds no autograd graph: torch
+    inputs that require grad are refused (``rms_norm``'s autograd keeps rstd itself).
+    """
+    y, rstd = _run(OP_RMS, {"x": x}, weight, eps, {"offset": offset}, with_rstd=True)
+    return y, rstd
+
+
+def fused_add_rms_norm_with_rstd(x: Any, residual: Any, weight: Any, *, eps: float,
+                                 offset: float = 0.0, residual_sum: str = "fp32"
+                                 ) -> tuple[Any, Any, Any]:
+    """``(y, new_residual, rstd)``:
+    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm] and each
+    row's rstd, as in
+    [`rms_norm_with_rstd`][normspec.backends.cupy_backend.rms_norm_with_rstd].
+    """
+    y, res, rstd = _run(OP_FUSED, {"x": x, "residual": residual}, weight, eps,
+                        {"offset": offset, "residual_sum": residual_sum}, with_rstd=True)
+    return y, res, rstd
+
+
+def rms_norm_gated_with_rstd(x: Any, gate: Any, weight: Any, *, eps: float,
+                             convention: str = "vllm", activation: str = "silu"
+                             ) -> tuple[Any, Any]:
+    """``(y, rstd)``: [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated] and
+    each row's rstd, as in
+    [`rms_norm_with_rstd`][normspec.backends.cupy_backend.rms_norm_with_rstd].
+    """
+    y, rstd = _run(OP_GATED, {"x": x, "gate": gate}, weight, eps,
+                   {"convention": convention, "activation": activation}, with_rstd=True)
+    return y, rstd
+
+
+def rms_norm_backward(dy: Any, x: Any, weight: Any, *, eps: float, offset: float = 0.0,
+                      rstd: Any | None = None) -> tuple[Any, Any]:
+    """``(dx, dweight)`` of [`rms_norm`][normspec.backends.cupy_backend.rms_norm].
+    ``rstd``: the forward's (``rms_norm_with_rstd``), read instead of recomputed (the same
+    bits)."""
+    dx, dw = _run_backward(OP_RMS, {"dy": dy}, {"x": x}, weight, eps, {"offset": offset},
+                           rstd)
     return dx, dw
 
 
 def fused_add_rms_norm_backward(dy: Any, dresidual_out: Any, x: Any, residual: Any, weight: Any,
                                 *, eps: float, offset: float = 0.0,
-                                residual_sum: str = "fp32") -> tuple[Any, Any, Any]:
+                                residual_sum: str = "fp32", rstd: Any | None = None
+                                ) -> tuple[Any, Any, Any]:
     """``(dx, dresidual, dweight)`` of
-    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]."""
+    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]; ``rstd`` as
+    in [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
     dx, dres, dw = _run_backward(
         OP_FUSED, {"dy": dy, "dresidual_out": dresidual_out}, {"x": x, "residual": residual},
-        weight, eps, {"offset": offset, "residual_sum": residual_sum})
+        weight, eps, {"offset": offset, "residual_sum": residual_sum}, rstd)
     return dx, dres, dw
 
 
+def fused_add_rms_norm_backward_from_sum(dy: Any, dresidual_out: Any, s: Any, weight: Any, *,
+                                         eps: float, offset: float = 0.0,
+                                         residual_sum: str = "rounded",
+                                         rstd: Any | None = None) -> tuple[Any, Any]:
+    """``(ds, dweight)`` of
+    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm] from the
+    sum ``s`` its norm read: the forward's new residual where that is the sum,
+    ``residual_sum="rounded"`` or float32 rows (the torch extension's
+    ``fused_add_rms_norm_backward_from_sum``). ``ds`` is both dx and dresidual (the same
+    bits by the spec); one row tensor is read instead of x and the residual. ``rstd`` as
+    in [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
+    ds, dw = _run_backward(
+        OP_FUSED_SUM, {"dy": dy, "dresidual_out": dresidual_out}, {"s": s}, weight, eps,
+        {"offset": offset, "residual_sum": residual_sum}, rstd)
+    return ds, dw
+
+
 def rms_norm_gated_backward(dy: Any, x: Any, gate: Any, weight: Any, *, eps: float,
-                            convention: str = "vllm",
-                            activation: str = "silu") -> tuple[Any, Any, Any]:
+                            convention: str = "vllm", activation: str = "silu",
+                            rstd: Any | None = None) -> tuple[Any, Any, Any]:
     """``(dx, dgate, dweight)`` of
-    [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]."""
+    [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]; ``rstd`` as in
+    [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
     dx, dg, dw = _run_backward(OP_GATED, {"dy": dy}, {"x": x, "gate": gate}, weight, eps,
-                               {"convention": convention, "activation": activation})
+                               {"convention": convention, "activation": activation}, rstd)
     return dx, dg, dw
 
 

@@ -18,6 +18,7 @@ from _torch_ext_cases import (
     make_case,
     spec_backward,
     spec_forward,
+    spec_rstd,
 )
 
 pytestmark = pytest.mark.cuda
@@ -89,6 +90,29 @@ def _call_backward(op, grads, rows, weight, eps, params):
     return fn(*grads, *rows.values(), weight, eps=eps, **params)
 
 
+def check_with_rstd(op, params, rows, weight, grads, eps, want, want_g, ctx,
+                    to_torch=lambda t: t):
+    """The ``*_with_rstd`` forward gives the spec's outputs and rstd (computed on the CPU),
+    the explicit backward given that rstd the spec's gradients, and for a fused add whose
+    new residual is the sum its norm read, the backward from that sum too."""
+    out = getattr(cb, f"{op}_with_rstd")(*rows.values(), weight, eps=eps, **params)
+    for i, (g, w) in enumerate(zip(out[:-1], want, strict=True)):
+        assert_bits(to_torch(g), w, f"with_rstd forward output {i} of {ctx}")
+    cpu_rows = {k: to_torch(v).cpu() for k, v in rows.items()}
+    assert_bits(to_torch(out[-1]), spec_rstd(op, cpu_rows, eps, params), f"rstd of {ctx}")
+    got_g = getattr(cb, f"{op}_backward")(*grads, *rows.values(), weight, eps=eps, **params,
+                                          rstd=out[-1])
+    for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
+        assert_bits(to_torch(g), w, f"{name} with the saved rstd, {ctx}")
+    if op == "fused_add_rms_norm" and (params["residual_sum"] == "rounded"
+                                       or cpu_rows["x"].dtype == torch.float32):
+        ds, dw = cb.fused_add_rms_norm_backward_from_sum(*grads, out[1], weight, eps=eps,
+                                                         **params, rstd=out[-1])
+        assert_bits(to_torch(ds), want_g[0], f"ds (dx) from the sum, {ctx}")
+        assert_bits(to_torch(ds), want_g[1], f"ds (dresidual) from the sum, {ctx}")
+        assert_bits(to_torch(dw), want_g[2], f"dweight from the sum, {ctx}")
+
+
 def check_torch(op, params, shape, dtype, wdtype, seed, *, ext=None, layouts=None,
                 specials=True, eps=EPS):
     """Forward and autograd gradients on torch CUDA tensors vs the spec (and the extension)."""
@@ -113,6 +137,7 @@ def check_torch(op, params, shape, dtype, wdtype, seed, *, ext=None, layouts=Non
     for name, g, w in zip(grad_names(op), _call_backward(op, cgrads, plain, cw.detach(), eps,
                                                           params), want_g, strict=True):
         assert_bits(g, w, f"cupy {op}_backward {name} of {ctx}")
+    check_with_rstd(op, params, plain, cw.detach(), cgrads, eps, want, want_g, ctx)
     if ext is not None:
         from _torch_ext_cases import ext_backward, ext_forward
 
@@ -144,6 +169,7 @@ def check_cupy(op, params, shape, dtype, wdtype, seed, *, layouts=None, specials
     for name, g, w in zip(grad_names(op), got_g, want_g, strict=True):
         assert isinstance(g, cp.ndarray), type(g)
         assert_bits(_to_torch(g), w, f"{name} of {ctx}")
+    check_with_rstd(op, params, arows, aw, agrads, eps, want, want_g, ctx, to_torch=_to_torch)
 
 
 _ids = dict(ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))

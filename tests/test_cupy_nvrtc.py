@@ -106,6 +106,38 @@ def _t(*shape, dtype=torch.float32):
          r"dresidual_out: expected the dtype of x"),
         (lambda: cb.rms_norm_gated_backward(_t(2, 8), _t(2, 8), _t(2, 8), _t(8), eps=EPS),
          ValueError, r"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on cpu"),
+        # the forward's rstd given to a backward, and the forwards that return it
+        (lambda: cb.rms_norm_backward(_t(2, 8), _t(2, 8), _t(8), eps=EPS, rstd=_t(2, 8)),
+         ValueError,
+         r"rstd: expected the shape of x without its last dimension, \(2,\), got \(2, 8\)"),
+        (lambda: cb.rms_norm_backward(_t(2, 8), _t(2, 8), _t(8), eps=EPS,
+                                      rstd=_t(2, dtype=torch.float16)), TypeError,
+         r"rstd: expected dtype float32, got float16"),
+        (lambda: cb.rms_norm_backward(_t(2, 8), _t(2, 8), _t(8), eps=EPS, rstd=_t(4)[::2]),
+         ValueError, r"rstd: expected a contiguous array"),
+        (lambda: cb.rms_norm_gated_backward(_t(2, 8), _t(2, 8), _t(2, 8), _t(8), eps=EPS,
+                                            rstd=np.ones(2, np.float32)), TypeError,
+         r"rstd: expected a torch.Tensor like x, got ndarray"),
+        (lambda: cb.rms_norm_backward(_t(2, 8), _t(2, 8), _t(8), eps=EPS, rstd=_t(2)),
+         ValueError, r"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on cpu"),
+        (lambda: cb.rms_norm_with_rstd(_t(2, 8).requires_grad_(), _t(8), eps=EPS), ValueError,
+         r"rms_norm_with_rstd: builds no autograd graph, and an input requires grad; call "
+         r"rms_norm"),
+        (lambda: cb.rms_norm_gated_with_rstd(_t(2, 8), _t(2, 8), _t(8).requires_grad_(),
+                                             eps=EPS), ValueError,
+         r"rms_norm_gated_with_rstd: builds no autograd graph"),
+        (lambda: cb.fused_add_rms_norm_with_rstd(_t(2, 8), _t(2, 8), _t(8), eps=EPS),
+         ValueError, r"x: expected a CUDA tensor or a CuPy array, got a torch.Tensor on cpu"),
+        (lambda: cb.fused_add_rms_norm_backward_from_sum(
+            _t(2, 8, dtype=torch.bfloat16), _t(2, 8, dtype=torch.bfloat16),
+            _t(2, 8, dtype=torch.bfloat16), _t(8), eps=EPS, residual_sum="fp32"), ValueError,
+         r"residual_sum: the backward from the saved sum needs 'rounded' or float32 rows"),
+        (lambda: cb.fused_add_rms_norm_backward_from_sum(
+            _t(2, 8), _t(2, 8), np.ones((2, 8), np.float32), _t(8), eps=EPS), TypeError,
+         r"s: expected a CUDA torch.Tensor or a CuPy array, got a numpy.ndarray"),
+        (lambda: cb.fused_add_rms_norm_backward_from_sum(_t(2, 8), _t(2, 8), _t(2, 8), _t(8),
+                                                         eps=EPS, residual_sum="fp32"),
+         ValueError, r"x: expected a CUDA tensor"),  # float32 rows: either convention
     ],
 )
 def test_validation_errors(call, exc, pattern):
