@@ -35,9 +35,9 @@ its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor a
 the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
 explicit backward functions do the same given ``rstd`` (from the ``*_with_rstd``
 forwards) and the sum (``fused_add_rms_norm_backward_from_sum``); else they recompute
-rstd. Not launched from here: the persistent
-forward with a gate table per block, and chained (programmatic dependent) launches of
-the dweight tree. Every kernel gives the spec's bits.
+rstd. Not launched from here: the persistent forward with a gate table per block, and
+chained (programmatic dependent) launches of the dweight tree. Every kernel gives the
+spec's bits.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
 the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
 ``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
