@@ -202,6 +202,12 @@ _NPS = (1, 2, 4)
 # functions mirror the C++ defaults for like-for-like benchmarks but need not
 # follow later tuning of the C++ launcher. tests/test_cupy_nvrtc.py compares
 # them with the C++ functions compiled on the host.
+def _switched_off(name: str) -> bool:
+    """Whether environment variable ``name`` is exactly ``"0"`` (``switched_off`` of the
+    launcher: the speed switches that keep an older path for timing; read at each call)."""
+    return os.environ.get(name) == "0"
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= n`` (1 for ``n <= 1``), as ``normspec::next_pow2``."""
     p = 1
@@ -345,13 +351,7 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
 
 def gate_table_enabled() -> bool:
     """``NORMSPEC_GATE_TABLE=0`` turns the activation table off (read at each call)."""
-    return os.environ.get("NORMSPEC_GATE_TABLE") != "0"
-
-
-def _switched_off(name: str) -> bool:
-    """Whether environment variable ``name`` is exactly ``"0"`` (``switched_off`` of the
-    launcher: the speed switches that keep an older path for timing; read at each call)."""
-    return os.environ.get(name) == "0"
+    return not _switched_off("NORMSPEC_GATE_TABLE")
 
 
 def saved_rstd_enabled() -> bool:
@@ -584,7 +584,7 @@ FILL_GATE_TABLE_KERNEL = "normspec_fill_gate_table_kernel<__nv_bfloat16>"
 def gated_row_table_enabled() -> bool:
     """Whether large bf16 gated forwards may read the global gate table: unless
     ``NORMSPEC_GATED_ROW_TABLE=0`` (read at each call), as in the torch extension."""
-    return os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0"
+    return not _switched_off("NORMSPEC_GATED_ROW_TABLE")
 
 
 def gt_form(hf: bool, w_is_input: bool, w_raw: bool) -> int:
@@ -651,13 +651,13 @@ def bwd_offsets_fit_32(rows: int, hidden: int, strides: Sequence[int]) -> bool:
 def full_row_forms_enabled() -> bool:
     """Whether rows that fill the team run the constant-geometry forms
     (``NORMSPEC_FULL_ROW=0`` says no, as in the torch extension; read at each call)."""
-    return os.environ.get("NORMSPEC_FULL_ROW") != "0"
+    return not _switched_off("NORMSPEC_FULL_ROW")
 
 
 def row_forward_enabled() -> bool:
     """Whether aligned rows may run the one-row forward (``NORMSPEC_PIPE=0`` or
     ``NORMSPEC_FWD_ROW=0`` say no, as in the torch extension; read at each call)."""
-    return os.environ.get("NORMSPEC_PIPE") != "0" and os.environ.get("NORMSPEC_FWD_ROW") != "0"
+    return not (_switched_off("NORMSPEC_PIPE") or _switched_off("NORMSPEC_FWD_ROW"))
 
 
 def forward_launch(op: int, dtype_code: int, rows: int, hidden: int
@@ -1338,7 +1338,7 @@ def _prepare_pipe_kernel(fn: Any, key: tuple, block: int, smem: int, optin: int)
 def pipe_backward_enabled() -> bool:
     """Whether aligned rows may run the pipelined backward (``NORMSPEC_PIPE=0`` says no,
     as in the torch extension; read at each call)."""
-    return os.environ.get("NORMSPEC_PIPE") != "0"
+    return not _switched_off("NORMSPEC_PIPE")
 
 
 def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple:
