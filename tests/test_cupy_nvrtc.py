@@ -203,51 +203,6 @@ class _CpuSide(cb._TorchSide):
         yield
 
 
-@pytest.mark.parametrize("switch", ["default", "0"])
-@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
-def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkeypatch):
-    """A large aligned bf16 gated forward launches the GT row form with the address of its
-    activation's half of the global table as the last argument (``gtab``); without the
-    switch, or while no table can be had (a capture), the evaluating row form with 0."""
-    if switch == "0":
-        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
-    else:
-        monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
-    for var in ("NORMSPEC_GATE_TABLE", "NORMSPEC_FULL_ROW", "NORMSPEC_PIPE", "NORMSPEC_FWD_ROW"):
-        monkeypatch.delenv(var, raising=False)
-    launches, asked = [], []
-    tables = {False: 0x100000, True: 0x100000 + 4 * 8192}
-    monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
-    monkeypatch.setattr(cb, "_sm_count", lambda cp, dev: 132)
-    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
-    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
-                        launches.append((fn, grid, block, args)))
-
-    def table(cp, dev, sig):
-        asked.append(sig)
-        return tables[sig]
-
-    monkeypatch.setattr(cb, "_global_gate_table", table)
-    x = torch.zeros(2**15, 64, dtype=torch.bfloat16)
-    params = {"convention": "vllm", "activation": activation}
-    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
-    ((name, grid, block, args),) = launches
-    assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
-    assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
-    if switch == "default":  # the vllm convention's own GT form (an fp32 weight: 1)
-        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>"
-        assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
-    else:
-        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>"
-        assert asked == [] and args[-1] == np.uint64(0)
-    # no table to be had (a capture before the first fill): the evaluating form
-    launches.clear()
-    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
-    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
-    assert [(n, a[-1]) for n, _, _, a in launches] == [
-        ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>", np.uint64(0))]
-
-
 def _record_launches(monkeypatch) -> list:
     """Runs the backend's launch plumbing on CPU tensors: every launch is recorded as
     ``(kernel name, grid, block, args, shared memory)`` instead of run."""
@@ -264,6 +219,44 @@ def _record_launches(monkeypatch) -> list:
                 "NORMSPEC_GATE_TABLE"):
         monkeypatch.delenv(var, raising=False)
     return launches
+
+
+@pytest.mark.parametrize("switch", ["default", "0"])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkeypatch):
+    """A large aligned bf16 gated forward launches the GT row form with the address of its
+    activation's half of the global table as the last argument (``gtab``); without the
+    switch, or while no table can be had (a capture), the evaluating row form with 0."""
+    if switch == "0":
+        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
+    else:
+        monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    launches, asked = _record_launches(monkeypatch), []
+    tables = {False: 0x100000, True: 0x100000 + 4 * 8192}
+
+    def table(cp, dev, sig):
+        asked.append(sig)
+        return tables[sig]
+
+    monkeypatch.setattr(cb, "_global_gate_table", table)
+    x = torch.zeros(2**15, 64, dtype=torch.bfloat16)
+    params = {"convention": "vllm", "activation": activation}
+    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    ((name, grid, block, args, _),) = launches
+    assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
+    assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
+    if switch == "default":  # the vllm convention's own GT form (an fp32 weight: 1)
+        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>"
+        assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
+    else:
+        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>"
+        assert asked == [] and args[-1] == np.uint64(0)
+    # no table to be had (a capture before the first fill): the evaluating form
+    launches.clear()
+    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
+    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    assert [(n, a[-1]) for n, _, _, a, _ in launches] == [
+        ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>", np.uint64(0))]
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
