@@ -1505,14 +1505,15 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
             else:
                 ws, wsv = side.empty_f32((groups, hidden))
             fn = _kernel(side.dev, op, dt, name)
+            if pipe.kind != "row":  # the persistent kernels: their resident blocks per SM
+                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
+                                              optin)
             if pipe.kind == "row":  # a team per row: no persistent grid, no stacks
                 args = _pack(np, a, (a.x, a.w, a.dy, a.y, _ptr(wsv)),
                              (a.rows, a.sx, a.sdy, a.sy))
                 _launch(fn, (grid_for(nrows, block >> team_log), 1, 1), (block, 1, 1),
                         (*args, rstd_ptr))
             elif pipe.kind == "pair":  # 32-bit rows and strides, the saved rstd, no eps
-                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
-                                              optin)
                 i32 = np.int32
                 _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1),
                         (block, 1, 1),
@@ -1521,8 +1522,6 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                          np.float32(a.offset), i32(a.flags), i32(glog), i32(groups), rstd_ptr),
                         smem)
             else:  # the pipelined backward: persistent teams, dweight stacks in shared memory
-                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
-                                              optin)
                 if table:
                     a = replace(a, flags=a.flags | F_GATE_TABLE)
                 args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
