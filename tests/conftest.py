@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+LAUNCH_PROBE = Path(__file__).resolve().parent / "launch_probe"
+CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
 
 
 def pytest_configure(config):
@@ -20,6 +24,38 @@ def pytest_configure(config):
         share = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)
+
+
+@pytest.fixture(scope="session")
+def launch_probe(tmp_path_factory) -> Path:
+    """tests/launch_probe/launch_probe.cu built for the host against fake_cudart.cpp (a
+    recording stand-in for the CUDA runtime): the torch-free launcher's plans and
+    launches, printed without a GPU. Built once a session (about 90 s), or kept under
+    ``$NORMSPEC_BUILD_DIR`` by a digest of its sources and the kernels'; skipped without
+    nvcc."""
+    import hashlib
+
+    from test_cuda_sources import NVCC
+
+    if NVCC is None:
+        pytest.skip("nvcc not found")
+    sources = [LAUNCH_PROBE / "launch_probe.cu", LAUNCH_PROBE / "fake_cudart.cpp"]
+    digest = hashlib.sha256(NVCC.encode())
+    for path in sorted([*sources, *CSRC.iterdir()]):
+        digest.update(path.name.encode() + path.read_bytes())
+    name = f"launch_probe-{digest.hexdigest()[:16]}"
+    kept = os.environ.get("NORMSPEC_BUILD_DIR")
+    exe = Path(kept) / name if kept else tmp_path_factory.mktemp("launch_probe") / name
+    if exe.exists():
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    part = exe.with_name(f"{name}.{os.getpid()}.part")
+    cmd = [NVCC, "-std=c++17", "-arch=compute_90", "-code=compute_90", "-cudart", "none",
+           "-I", str(CSRC), *map(str, sources), "-o", str(part)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    os.replace(part, exe)
+    return exe
 
 
 def pytest_collection_modifyitems(config, items):

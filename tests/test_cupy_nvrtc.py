@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,6 @@ import torch
 
 from normspec.backends import cupy_backend as cb
 
-CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
 EPS = 1e-6
 
 
@@ -729,78 +727,6 @@ def test_row_forward_switches(monkeypatch):
     assert cb.row_forward_launch(cb.OP_RMS, cb.DT_BF16, 64, 2048, 132)[0].endswith("1, -1>")
 
 
-def _nvcc() -> str | None:
-    from test_cuda_sources import NVCC
-
-    return NVCC
-
-
-GEO_MAIN = r"""
-#include "normspec_launch.cu"
-#include "normspec_launch_f32.cu"
-#include "normspec_launch_bf16.cu"
-#include "normspec_launch_f16.cu"
-#include <cstdio>
-int main() {
-  using namespace normspec;
-  const long long Hs[] = {@HS@};
-  const long long Rs[] = {@RS@};
-  const int Ss[] = {1, 7, 132};
-  for (long long H : Hs) for (int vec : {4, 8}) {
-    Geometry f = geometry(H, vec), b = backward_geometry(H, vec);
-    printf("G %lld %d %d %d %d %d\n", H, vec, f.threads, f.np, b.threads, b.np);
-  }
-  for (int dt : {0, 1, 2}) for (long long H : Hs) for (long long R : Rs) for (int s : Ss) {
-    BackwardPlan p = backward_plan(dt, R, H, s);
-    printf("P %d %lld %lld %d %d %lld\n", dt, R, H, s, p.glog, p.groups);
-  }
-  // the pipelined kernels' plan, for aligned and for unaligned rows
-  for (int dt : {0, 1, 2}) for (long long H : Hs) for (long long R : Rs) for (int s : Ss) {
-    for (int aligned : {1, 0}) {
-      LaunchArgs a;
-      a.x = reinterpret_cast<const void*>(aligned ? 0x10000 : 0x10002);
-      a.y = reinterpret_cast<void*>(0x20000);
-      a.w = reinterpret_cast<const float*>(0x30000);
-      a.rows = R;
-      a.H = H;
-      a.sx = a.sy = aligned ? 64 : 63;
-      BackwardPlan p = backward_plan_for(dt, a, s);
-      printf("Q %d %lld %lld %d %d %d %d %d %d %lld\n", dt, R, H, s, aligned, p.pipe,
-             p.team_log, p.np, p.glog, p.groups);
-    }
-  }
-  for (long long H : Hs) for (int vec : {4, 8}) {
-    for (int bwd : {0, 1}) {
-      PipeGeometry g = pipe_geometry(H, vec, 0, bwd);
-      printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
-    }
-    for (int two : {0, 1}) for (long long R : Rs) {
-      PipeGeometry r = row_geometry(H, vec, 0, two, R);
-      printf("R %lld %d %d %lld %d %d %d\n", H, vec, two, R, r.team_log, r.np,
-             r.np ? row_block(r, R) : 0);
-    }
-  }
-  printf("S %d\n", device_sms());
-  printf("O %d\n", device_smem_optin());
-  // the stack depth cap under the shared-memory limits of other GPUs
-  for (int tl = 0; tl <= 8; ++tl) for (int np : {1, 2, 4}) for (int vec : {4, 8})
-    for (int optin : {232448, 101376, 65536, 49152}) {
-      PipeGeometry g;
-      g.team_log = tl;
-      g.np = np;
-      printf("M %d %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin),
-             pipe_forced_glog_cap(g, vec, optin));
-    }
-  for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
-  for (long long G = 1; G <= kColTreeLastMax; ++G) {
-    const ColTreeLast t = col_tree_last_logs(G);
-    printf("L %lld %d %d\n", G, t.clog1, t.slog);
-  }
-  for (long long u : Rs)
-    for (int pb : {1, 4, 256}) printf("F %lld %d %u\n", u, pb, grid_for(u, pb));
-  return 0;
-}
-"""
 HS = (1, 2, 3, 4, 7, 8, 9, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 257, 500, 511, 512,
       513, 1000, 1003, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 5000, 8191, 8192,
       8193, 12000, 16384, 16385, 32768, 32769, 40000, 70000)
@@ -854,27 +780,20 @@ def check_stack_cap(team_log, np_, vec, optin, glog, forced, *, line):
     assert forced == 7 or not fits(forced + 1, optin), line
 
 
-def _geo_output(tmp_path, env: dict[str, str] | None = None) -> str:
-    """What GEO_MAIN prints: normspec_launch.cu's plans, compiled and run on the host."""
-    src = tmp_path / "geo.cu"
-    src.write_text(GEO_MAIN.replace("@HS@", ", ".join(map(str, HS)))
-                   .replace("@RS@", ", ".join(f"{r}LL" for r in RS)))
-    exe = tmp_path / "geo"
-    cmd = [_nvcc(), "-std=c++17", "-arch=compute_90", "-code=compute_90", "-I", str(CSRC),
-           str(src), "-o", str(exe)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return subprocess.run([str(exe)], capture_output=True, text=True, check=True,
-                          env=env).stdout
+def _geo_output(probe, env: dict[str, str] | None = None) -> str:
+    """What ``launch_probe geo`` prints for HS and RS: normspec_launch.cu's plans and
+    geometries, compiled and run on the host (tests/launch_probe/launch_probe.cu)."""
+    lists = f"{' '.join(map(str, HS))}\n{' '.join(map(str, RS))}\n"
+    return subprocess.run([str(probe), "geo"], input=lists, capture_output=True, text=True,
+                          check=True, env=env).stdout
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_plan_matches_the_cpp_launcher(tmp_path):
+def test_plan_matches_the_cpp_launcher(launch_probe):
     """geometry, backward_geometry, backward_plan, col_tree_rows_out, col_tree_last_logs
     and grid_for of normspec_launch.cu (compiled on the host, run without a GPU) equal
     the Python ones, and the pipelined kernels' geometry and backward plan keep their
     documented invariants."""
-    out = _geo_output(tmp_path)
+    out = _geo_output(launch_probe)
     # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
     sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
     # the opt-in shared memory it assumed (227 KiB without a GPU)
@@ -927,15 +846,14 @@ def test_plan_matches_the_cpp_launcher(tmp_path):
     assert n > 5000
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_row_block_spread_matches_the_cpp_launcher(tmp_path, monkeypatch):
+def test_row_block_spread_matches_the_cpp_launcher(launch_probe, monkeypatch):
     """``NORMSPEC_ROW_BLOCK_SPREAD=1``: both launchers give the one-row forward's warp
     teams 64-thread blocks where 256-thread ones would number fewer than the SMs (64 rows
     of 256 bf16: yes; 4096: no), and leave whole-block teams and many-wave launches alone."""
     import os
 
     monkeypatch.setenv("NORMSPEC_ROW_BLOCK_SPREAD", "1")
-    out = _geo_output(tmp_path, {**os.environ})
+    out = _geo_output(launch_probe, {**os.environ})
     sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
     blocks = {}
     for line in out.splitlines():
@@ -954,15 +872,14 @@ def test_row_block_spread_matches_the_cpp_launcher(tmp_path, monkeypatch):
     assert cb.row_block(5, 100, sms) == 256
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_forced_group_log_stays_within_the_padded_rows(tmp_path):
+def test_forced_group_log_stays_within_the_padded_rows(launch_probe):
     """NORMSPEC_BWD_GLOG=7 asks for groups of 128 rows; the launcher gives at most the
     rows' next power of two (and what shared memory holds). A deeper group would add
     +0.0 rows the spec's tree does not have: a column of -0.0 contributions would sum
     to +0.0 instead of the spec's -0.0."""
     import os
 
-    out = _geo_output(tmp_path, {**os.environ, "NORMSPEC_BWD_GLOG": "7"})
+    out = _geo_output(launch_probe, {**os.environ, "NORMSPEC_BWD_GLOG": "7"})
     lines = [[int(t) for t in line.split()[1:]] for line in out.splitlines()]
     kinds = [line.split()[0] for line in out.splitlines()]
     optin = next(v[0] for k, v in zip(kinds, lines, strict=True) if k == "O")
