@@ -11,16 +11,22 @@ pipelined backward (``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``,
 ``pipe_backward_launch``; persistent teams with their dweight stacks, weight factors
 and, for large bf16 gated launches, the gate table in shared memory, past 48 KiB with
 the device's opt-in); other rows run the register and streaming kernels
-(``geometry``, ``backward_plan``). dweight's workspace rows are folded as in the
-extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are left, then one
-launch for the rest and the cast to the weight's dtype (``col_tree_last_launch``).
+(``geometry``, ``backward_plan``). Where a large bf16 gated forward wants a gate table
+but the global table's forms do not take it, the persistent forward runs, each block
+building the table in its shared memory (``pipe_forward_launch``), as in the extension;
+so does every aligned forward with ``NORMSPEC_FWD_ROW=0``. dweight's workspace rows are
+folded as in the extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are
+left, then one launch for the rest and the cast to the weight's dtype
+(``col_tree_last_launch``).
 Large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
 from the extension's gate table in global memory (``gated_row_table_launch``): one
 CuPy array per device, filled on first use with the declared functions (not while the
-stream is captured into a CUDA graph); ``NORMSPEC_GATED_ROW_TABLE=0`` evaluates every
-gate instead. On an H200 that took 2**21 x 128 from 609 to 378 us (vllm) and from 640
-to 389 us (hf; bench/results/sweeps/cupy_gated_row_table.json); they take the
-extension's GT forms (``gt_form``).
+stream is captured into a CUDA graph); ``NORMSPEC_GATED_ROW_TABLE=0`` runs the persistent
+forward instead, as the extension does. On an H200 the global table took 2**21 x 128 from
+609 to 378 us (vllm) and from 640 to 389 us (hf;
+bench/results/sweeps/cupy_gated_row_table.json) against the one-row forward evaluating
+every gate, which this backend ran there before it had the persistent forward; they take
+the extension's GT forms (``gt_form``).
 
 As in the extension, the backward's launches follow ``launch_bwd_pipe``
 (``pipe_backward_launch``, a ``BackwardLaunch``): the rms norm's one-row groups run
@@ -35,12 +41,14 @@ its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor a
 the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
 explicit backward functions do the same given ``rstd`` (from the ``*_with_rstd``
 forwards) and the sum (``fused_add_rms_norm_backward_from_sum``); else they recompute
-rstd. Not launched from here: the persistent forward with a gate table per block, and
-chained (programmatic dependent) launches of the dweight tree. Every kernel gives the
-spec's bits.
+rstd. Not launched from here: chained (programmatic dependent) launches of the dweight
+tree (CuPy's kernel launch takes no launch attributes; the same kernels run as plain
+launches). Every kernel gives the spec's bits. tests/test_cupy_launch_parity.py holds the
+launches to the extension's: the same kernels, grids, blocks and shared memory for the
+same calls, under every switch below.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
-the forward, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry forms and
-``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
+the forward on the persistent kernel, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry
+forms and ``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
 speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE``,
 ``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL`` and the
 GT forms' (``gt_form``), read here at each call. On an
@@ -139,6 +147,8 @@ __all__ = [
     "pipe_backward_geometry",
     "pipe_backward_launch",
     "pipe_backward_plan",
+    "pipe_forward_geometry",
+    "pipe_forward_launch",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_gated",
@@ -149,6 +159,7 @@ __all__ = [
     "row_forward_enabled",
     "row_forward_launch",
     "row_geometry",
+    "wants_gate_table",
 ]
 
 #: The directory of the CUDA sources (package data shared with the torch extension).
@@ -284,8 +295,19 @@ def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
     ``backward`` and no override); ``(0, 0)`` for rows of more than 1024 vectors.
     One pass up to 32 vectors, then teams of half the vectors (two passes), 256 x 4
     from 513 vectors on."""
+    return _pipe_geometry(hidden, vec, 32)
+
+
+def pipe_forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
+    """``(team_log, NP)`` of the persistent pipelined forward (``normspec::pipe_geometry``
+    without ``backward`` or an override); ``(0, 0)`` for rows of more than 1024 vectors.
+    One pass up to 16 vectors, then as the backward's."""
+    return _pipe_geometry(hidden, vec, 16)
+
+
+def _pipe_geometry(hidden: int, vec: int, one_pass: int) -> tuple[int, int]:
     nvec = (hidden + vec - 1) // vec
-    if nvec <= 32:
+    if nvec <= one_pass:
         threads = next_pow2(nvec)
     elif nvec <= 512:
         threads = next_pow2(nvec) // 2
@@ -347,6 +369,14 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
         glog += 1
     r = 1 << glog
     return team_log, np_, glog, (rows + r - 1) // r
+
+
+def wants_gate_table(op: int, dtype_code: int, rows: int, hidden: int) -> bool:
+    """Whether a launch reads act(z) from a gate table (``wants_gate_table`` of the
+    launcher): bf16 gated launches of at least 2**20 elements, unless
+    ``NORMSPEC_GATE_TABLE=0``."""
+    return (op == OP_GATED and dtype_code == DT_BF16
+            and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS and gate_table_enabled())
 
 
 def gate_table_enabled() -> bool:
@@ -660,6 +690,44 @@ def row_forward_enabled() -> bool:
     return not (_switched_off("NORMSPEC_PIPE") or _switched_off("NORMSPEC_FWD_ROW"))
 
 
+class ForwardPipeLaunch(NamedTuple):
+    """The persistent pipelined forward's launch (``pipe_forward_launch``)."""
+
+    name: str  # kernel name expression
+    block: int  # threads per block
+    smem: int  # dynamic shared memory: the weight factors, then the gate table
+    team_log: int
+    table: bool  # the per-block gate table (F_GATE_TABLE)
+
+
+def pipe_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, optin: int
+                        ) -> ForwardPipeLaunch | None:
+    """The persistent pipelined forward (``normspec_fwd_pipe_kernel``; ``forward_pipe_t``
+    of the launcher) for aligned rows of at most 1024 vectors, ``None`` elsewhere or with
+    ``NORMSPEC_PIPE=0``. The launcher runs it where the one-row forward does not run:
+    bf16 gated launches with a gate table (``wants_gate_table``) that the global table's
+    forms do not take (rows that do not fill a two-pass team of 4..64 lanes, a stream
+    being captured before the table's first fill, ``NORMSPEC_GATED_ROW_TABLE=0``), and
+    every aligned launch with ``NORMSPEC_FWD_ROW=0``. Each block builds the gate table in
+    its shared memory where it fits; rows that fill a team of 4..32 lanes in one or two
+    passes then run the constant-geometry form."""
+    if _switched_off("NORMSPEC_PIPE"):
+        return None
+    vec = vec_of(dtype_code)
+    team_log, np_ = pipe_forward_geometry(hidden, vec)
+    if np_ == 0:
+        return None
+    weights = (np_ * vec * 4) << team_log
+    table = (wants_gate_table(op, dtype_code, rows, hidden)
+             and fits_smem(weights + _GATE_TABLE_SLOTS * 4, optin))
+    full = (table and np_ <= 2 and full_row_forms_enabled()
+            and hidden == (np_ * vec) << team_log and 2 <= team_log <= 5)
+    name = (f"normspec_fwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
+            f"{team_log if full else -1}>")
+    return ForwardPipeLaunch(name, pipe_block(team_log),
+                             weights + (_GATE_TABLE_SLOTS * 4 if table else 0), team_log, table)
+
+
 def forward_launch(op: int, dtype_code: int, rows: int, hidden: int
                    ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
     """``(kernel name expression, grid, block)`` of the register or streaming forward."""
@@ -731,11 +799,15 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_fwd_row_kernel<{op}, {t}, 1, {tl}>" for tl in range(4, 9)),
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
+        *(f"normspec_fwd_pipe_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
         *_backward_names(op, t),
         # the global gate table and the forms that read it (large bf16 gated forwards)
         *((FILL_GATE_TABLE_KERNEL,
            *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true" + (f", {f}>" if f else ">")
-             for f in _GT_FORMS for tl in _GLOBAL_TABLE_TEAM_LOGS))
+             for f in _GT_FORMS for tl in _GLOBAL_TABLE_TEAM_LOGS),
+           # the persistent forward's constant forms (with the per-block table)
+           *(f"normspec_fwd_pipe_kernel<{op}, {t}, {n}, {tl}>"
+             for n in (1, 2) for tl in range(2, 6)))
           if op == OP_GATED and dtype_code == DT_BF16 else ()),
     ]
 
@@ -989,7 +1061,8 @@ def _kernel(dev: int, op: int, dt: int, name: str) -> Any:
 def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
     """The address of the filled gate table of one activation on device ``dev`` (a CuPy
     array kept for the process), or ``None`` while the current stream is being captured
-    before the first fill (the caller then evaluates every gate). The first call per
+    before the first fill (the caller then runs the persistent forward, whose blocks build
+    the table in shared memory). The first call per
     device and activation fills it on the current stream and waits for it."""
     import numpy as np
 
@@ -1410,24 +1483,42 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)  # the rows' (the weight's below)
         as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
-        row, gtab = None, None
-        if a.flags & F_ALIGNED and row_forward_enabled():
+        row, gtab, pipe = None, None, None
+        if a.flags & F_ALIGNED:
+            # forward_t: the global gate table's forms, else the one-row forward where no
+            # gate table is wanted, else the persistent forward (its per-block table)
             sm_count = _sm_count(cp, side.dev)
-            row = gated_row_table_launch(op, dt, nrows, hidden, sm_count,
-                                         hf=bool(a.flags & F_HF),
-                                         w_is_input=bool(a.flags & F_W_IS_INPUT),
-                                         w_raw=as_is is not None)
+            if row_forward_enabled():
+                row = gated_row_table_launch(op, dt, nrows, hidden, sm_count,
+                                             hf=bool(a.flags & F_HF),
+                                             w_is_input=bool(a.flags & F_W_IS_INPUT),
+                                             w_raw=as_is is not None)
             if row is not None:
                 gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
-            if gtab is None:
+                if gtab is None:
+                    row = None
+            if (row is None and row_forward_enabled()
+                    and not wants_gate_table(op, dt, nrows, hidden)):
                 row = row_forward_launch(op, dt, nrows, hidden, sm_count)
-        # the one-row kernels read a 16-bit weight as it is; the register kernels fp32
-        a = _with_weight(side, a, weight, dt, as_is if row is not None else None, keep)
+            if row is None:
+                pipe = pipe_forward_launch(op, dt, nrows, hidden, _smem_optin(cp, side.dev))
+        # the one-row and persistent kernels read a 16-bit weight as it is; the register
+        # kernels fp32
+        a = _with_weight(side, a, weight, dt,
+                         as_is if row is not None or pipe is not None else None, keep)
         if not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes: the register kernels
-            row = None
+            row = pipe = None
         rstd_ptr = np.uint64(_ptr(rstd[1]) if rstd is not None else 0)
+        if pipe is not None and pipe.table:
+            a = replace(a, flags=a.flags | F_GATE_TABLE)
         args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
-        if row is not None:
+        if pipe is not None:
+            fn = _kernel(side.dev, op, dt, pipe.name)
+            per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, pipe.name, pipe.smem),
+                                          pipe.block, pipe.smem, _smem_optin(cp, side.dev))
+            _launch(fn, (persistent_grid(nrows, pipe.team_log, per_sm, sm_count), 1, 1),
+                    (pipe.block, 1, 1), (*args, np.int32(pipe.team_log), rstd_ptr), pipe.smem)
+        elif row is not None:
             name, grid, block, team_log = row
             # the one-row kernel also takes the team size (log2), then rstd_out and the
             # global gate table of the GT forms (else none)

@@ -223,23 +223,27 @@ def record_calls(monkeypatch, name: str) -> list:
     return picked
 
 
-@pytest.mark.parametrize("fwd_row", ["1", "0"], ids=["one-row forward", "register forward"])
+@pytest.mark.parametrize("fwd_row", ["1", "0"], ids=["one-row forward", "persistent forward"])
 def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
     """Aligned rows of at most 1024 vectors run the one-row forward (as in the torch
-    extension), with NORMSPEC_FWD_ROW=0 the register forward: both give the spec's bits,
-    at few rows (wider teams), at full launches (the constant forms) and on ragged rows."""
+    extension), with NORMSPEC_FWD_ROW=0 the persistent forward (as the extension then
+    does): both give the spec's bits, at few rows (wider teams), at full launches (the
+    constant forms) and on ragged rows; both weights' dtypes."""
     monkeypatch.setenv("NORMSPEC_FWD_ROW", fwd_row)
     picked = record_calls(monkeypatch, "row_forward_launch")
+    persistent = record_calls(monkeypatch, "pipe_forward_launch")
     for seed, shape in enumerate([(1, 2048), (64, 2048), (4096, 2048), (20000, 256),
                                   (333, 1003), (7, 8)]):
         for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
-            check_torch(op, params, shape, torch.bfloat16, torch.float32, seed, ext=ext)
+            wdtype = (torch.float32, torch.bfloat16)[seed % 2]
+            check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
     if fwd_row == "1":
-        assert picked and all(p is not None for p in picked)
+        assert picked and all(p is not None for p in picked) and persistent == []
         assert any(p[0].endswith(", -1>") for p in picked)  # the general form
         assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
     else:
-        assert picked == []
+        assert picked == [] and persistent and all(p is not None for p in persistent)
+        assert {p.name.split(", ")[2] for p in persistent} == {"1", "2"}  # NP
 
 
 @pytest.mark.parametrize("pipe", ["1", "0"], ids=["pipelined backward", "register backward"])
@@ -329,17 +333,36 @@ def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
 GATED = [v for v in VARIANTS if v[0] == "rms_norm_gated"]
 
 
+@pytest.mark.parametrize("shape", [(8192, 128), (1000, 2048), (12000, 100)])
+def test_gated_forward_on_the_persistent_kernel(shape, monkeypatch, ext):
+    """Large bf16 gated forwards that the global table's forms do not take run the
+    persistent forward with the gate table in each block's shared memory, as in the torch
+    extension: 8192 x 128 (few rows: the one-row teams widen to one pass, the constant
+    form of 16 lanes), 1000 x 2048 (past the global table's rows) and 12000 x 100 (ragged
+    rows, the general form). The spec's bits and the extension's, both conventions and
+    activations, both weights' dtypes, forward and backward."""
+    persistent = record_calls(monkeypatch, "pipe_forward_launch")
+    for seed, (op, params) in enumerate(GATED):
+        wdtype = (torch.float32, torch.bfloat16)[seed % 2]
+        check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
+    assert persistent and all(p is not None and p.table for p in persistent)
+    constant = shape == (8192, 128)
+    assert all(p.name.endswith(", 4>" if constant else ", -1>") for p in persistent)
+
+
 @pytest.mark.parametrize("row_table", ["default", "0"])
 def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: by default the one-row forms that read
     act(z) from the gate table in global memory (``gated_row_table_launch``), with
-    ``NORMSPEC_GATED_ROW_TABLE=0`` the one-row forward that evaluates every gate."""
+    ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent forward, whose blocks build the table in
+    shared memory (``pipe_forward_launch``), as in the torch extension."""
     if row_table == "0":
         monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
     else:
         monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     picked = record_calls(monkeypatch, "gated_row_table_launch")
+    persistent = record_calls(monkeypatch, "pipe_forward_launch")
     rows = _every_bf16_gate(32768, 128)
     w32 = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
@@ -348,8 +371,11 @@ def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
             want = spec_forward(op, rows, w, EPS, params)
             got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
             assert_bits(got, want[0], f"every gate {params} weight {w.dtype}")
-    if row_table == "0":
+    if row_table == "0":  # the persistent forward, each block's table in shared memory
         assert picked == [None] * 2 * len(GATED)
+        assert [p.name for p in persistent] == [
+            "normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>"] * 2 * len(GATED)
+        assert all(p.table for p in persistent)
     else:  # the GT forms (gt_form): vllm 1, hf 2 (fp32 weight); 4, 5 (bf16 weight as it is)
         forms = [1, 1, 2, 2, 4, 4, 5, 5]
         assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
@@ -361,12 +387,13 @@ def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
 def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     """A first large bf16 gated forward inside a CUDA graph capture (torch tensors, the
     caller's capturing stream) fills no table there, which needs a launch and a wait: the
-    capture holds the one-row forward that evaluates every gate, and its replay gives the
-    spec's bits. The next call outside the capture fills the table and uses it."""
+    capture holds the persistent forward, whose blocks build the table in shared memory
+    (as the torch extension's does), and its replay gives the spec's bits. The next call
+    outside the capture fills the table and uses it."""
     monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
     monkeypatch.setattr(cb, "_gate_tables", {})
     monkeypatch.setattr(cb, "_gate_tables_filled", set())
-    picked = record_calls(monkeypatch, "row_forward_launch")
+    picked = record_calls(monkeypatch, "pipe_forward_launch")
     rows = _every_bf16_gate(32768, 128)
     w = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
@@ -385,6 +412,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     torch.cuda.synchronize()
     assert_bits(out, want[0], f"graph {params}")
     assert cb._gate_tables_filled == set() and len(picked) == 2
+    assert all(p is not None and p.table for p in picked)
     got = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     assert_bits(got, want[0], f"after the graph {params}")
     assert len(cb._gate_tables_filled) == 1 and len(picked) == 2

@@ -8,6 +8,7 @@ GPU behaviour is tested in tests/test_cupy_backend.py, on a GPU only.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import subprocess
 import sys
@@ -224,7 +225,8 @@ def _record_launches(monkeypatch) -> list:
 def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkeypatch):
     """A large aligned bf16 gated forward launches the GT row form with the address of its
     activation's half of the global table as the last argument (``gtab``); without the
-    switch, or while no table can be had (a capture), the evaluating row form with 0."""
+    switch, or while no table can be had (a capture), the persistent forward, which builds
+    the table in each block's shared memory (``F_GATE_TABLE``), as the torch extension."""
     if switch == "0":
         monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
     else:
@@ -240,21 +242,32 @@ def test_forward_passes_the_gate_table_to_its_kernels(switch, activation, monkey
     x = torch.zeros(2**15, 64, dtype=torch.bfloat16)
     params = {"convention": "vllm", "activation": activation}
     cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
-    ((name, grid, block, args, _),) = launches
-    assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
-    assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
+    ((name, grid, block, args, smem),) = launches
     if switch == "default":  # the vllm convention's own GT form (an fp32 weight: 1)
+        assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
+        assert len(args) == 17 and args[-2] == np.uint64(0)  # rstd_out: none here
         assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>"
         assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
     else:
-        assert name == "normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>"
-        assert asked == [] and args[-1] == np.uint64(0)
-    # no table to be had (a capture before the first fill): the evaluating form
+        check_persistent_table_forward(name, grid, block, args, smem)
+        assert asked == []
+    # no table to be had (a capture before the first fill): the persistent forward
     launches.clear()
     monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
     cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
-    assert [(n, a[-1]) for n, _, _, a, _ in launches] == [
-        ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2>", np.uint64(0))]
+    ((name, grid, block, args, smem),) = launches
+    check_persistent_table_forward(name, grid, block, args, smem)
+
+
+def check_persistent_table_forward(name, grid, block, args, smem):
+    """2**15 rows of 64 bf16 on the persistent forward: teams of 8 lanes x 1 pass, the
+    constant form, two resident blocks a SM (the recording launcher's), the weight factors
+    and the gate table in shared memory, F_GATE_TABLE, no rstd."""
+    assert name == "normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 3>"
+    assert (grid, block) == ((2 * 132, 1, 1), (256, 1, 1))
+    assert smem == 8 * 8 * 4 + 8192 * 4
+    assert len(args) == 16 and int(args[13]) & cb.F_GATE_TABLE  # 5 pointers, 6 sizes, 2 floats
+    assert int(args[14]) == 3 and args[15] == np.uint64(0)  # team_log, rstd_out
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -449,17 +462,25 @@ def test_launch_shapes():
     for op in (0, 1, 2, 3):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            # forward: 3 general one-row forms, 8 + 5 constant ones, 3 register, 1 streaming;
+            # forward: 3 general one-row forms, 8 + 5 constant ones, 3 register, 1 streaming,
+            # 3 general persistent ones;
             # backward: 3 register, 1 streaming, 2 x (3 general + 4 constant) pipelined
             # (recomputing and reading the saved rstd), the rms norm's 2 x 5 one-row
             # forms; the tree kernel and the last one for an fp32 weight and, but for
             # fp32 rows, one of x's dtype; bf16 gated: the global gate table's fill, its
-            # 6 x 5 GT row forms, 8 + 8 gate-table backward forms (pipelined, pair);
+            # 6 x 5 GT row forms, 2 x 4 constant persistent forward forms, 8 + 8 gate-table
+            # backward forms (pipelined, pair);
             # OP_FUSED_SUM: the backward alone
-            forward = 0 if op == cb.OP_FUSED_SUM else 20
-            extra = {cb.OP_RMS: 10, cb.OP_GATED: 47 if dt == cb.DT_BF16 else 0}.get(op, 0)
+            forward = 0 if op == cb.OP_FUSED_SUM else 23
+            extra = {cb.OP_RMS: 10, cb.OP_GATED: 55 if dt == cb.DT_BF16 else 0}.get(op, 0)
             tree = 2 if dt == cb.DT_F32 else 3
             assert len(names) == len(set(names)) == forward + 18 + tree + extra
+            if op != cb.OP_FUSED_SUM:  # every persistent forward the planner picks
+                for hidden, rows in itertools.product((8, 64, 128, 1003, 2048, 8192, 8193),
+                                                      (1, 4096, 1 << 17)):
+                    fwd = cb.pipe_forward_launch(op, dt, rows, hidden, 232448)
+                    assert (fwd is None) == (hidden > 1024 * cb.vec_of(dt))  # 1024 vectors
+                    assert fwd is None or fwd.name in names, (op, dt, hidden, rows)
             if op == cb.OP_FUSED_SUM:
                 assert not any(n.startswith("normspec_fwd") for n in names)
                 for hidden in (128, 2048, 1003):
@@ -823,6 +844,8 @@ def test_plan_matches_the_cpp_launcher(launch_probe):
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
             if bwd:
                 assert cb.pipe_backward_geometry(hidden, vec) == (team_log, np_), line
+            else:  # the CuPy backend's mirror of the persistent forward's geometry
+                assert cb.pipe_forward_geometry(hidden, vec) == (team_log, np_), line
         elif kind == "O":
             assert optin > 48 * 1024, line
         elif kind == "R":
@@ -934,9 +957,13 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     # the gated pair kernel: x, z, the weight, dy, dx, dz, ws, rows and 5 strides in 32
     # bits, offset, flags, glog, groups, the saved rstd
     pair = "PKT_S[0-9]_PKvS[0-9]_PS[0-9]_S[0-9]_PfiiiiiifiiiPKf$"
+    # the persistent forward: the one-row forward's arguments but the global gate table
+    fwd_pipe = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPf$"
     for name, low in mapping.items():
         if name.startswith("normspec_fwd_row"):
             assert re.search(row, low), (name, low)
+        elif name.startswith("normspec_fwd_pipe"):
+            assert re.search(fwd_pipe, low), (name, low)
         elif name.startswith("normspec_fill_gate_table"):  # the table, the activation
             assert re.search("^_Z31normspec_fill_gate_table_kernelI.*EvPfi$", low), low
         elif name.startswith("normspec_fwd"):
