@@ -1,0 +1,340 @@
+"""The CuPy backend launches what the torch extension launches, without a GPU.
+
+The CuPy backend mirrors the C++ launcher (``normspec_launch_impl.cuh``) in Python. The
+spec tests cannot see the two drift apart: every kernel form gives the spec's bits, so a
+form that lands in the launcher alone costs the CuPy backend speed and fails nothing.
+Here the launcher itself runs on the host (``tests/launch_probe``: its translation units
+linked against a recording stand-in for the CUDA runtime), and for the same calls (row
+pointers, strides, dtypes, conventions, rstd given or not, speed switches) both must make
+the same launches: kernel (template arguments included), grid, block and dynamic shared
+memory, and both must read a 16-bit weight as it is or both copy it to fp32.
+
+What the CuPy backend does not do, on purpose, is listed in ``KNOWN_GAPS`` with the
+reason; a call that hits one is held to the rest of its launches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_cupy_nvrtc import _CpuSide, _record_launches
+from test_switches_documented import launcher_variables
+
+from normspec.backends import cupy_backend as cb
+
+TORCH_DTYPES = {cb.DT_F32: torch.float32, cb.DT_BF16: torch.bfloat16, cb.DT_F16: torch.float16}
+EPS = 1e-6
+
+#: op name -> (op code, params, whether it has a forward)
+OPS = {
+    "rms": (cb.OP_RMS, {"offset": 1.0}, True),
+    "fused-fp32": (cb.OP_FUSED, {"offset": 1.0, "residual_sum": "fp32"}, True),
+    "fused-rounded": (cb.OP_FUSED, {"offset": 0.0, "residual_sum": "rounded"}, True),
+    "fused-sum": (cb.OP_FUSED_SUM, {"offset": 1.0, "residual_sum": "rounded"}, False),
+    "gated-vllm-silu": (cb.OP_GATED, {"convention": "vllm", "activation": "silu"}, True),
+    "gated-hf-sigmoid": (cb.OP_GATED, {"convention": "hf", "activation": "sigmoid"}, True),
+}
+
+#: the speed switches both backends read (the C++ launcher once a process, the CuPy
+#: backend at each call); each is also tested off
+SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW", "NORMSPEC_SAVED_RSTD",
+            "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE", "NORMSPEC_GATE_TABLE",
+            "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM", "NORMSPEC_GT_HF_FORM",
+            "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W", "NORMSPEC_GATED_BWD_PACKED_W",
+            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL")
+
+#: the launcher's other variables, which the CuPy backend does not read: why
+NOT_MIRRORED = {
+    "NORMSPEC_FWD_TEAM": "a tuning override (team size) for sweeps of the extension",
+    "NORMSPEC_BWD_TEAM": "a tuning override (team size) for sweeps of the extension",
+    "NORMSPEC_ROW_BLOCK": "a tuning override (one-row forward's block) for sweeps",
+    "NORMSPEC_BWD_GLOG": "a tuning override (dweight group rows) for sweeps",
+    "NORMSPEC_TREE_LAST": "keeps the tree's older tail, to time it against the one launch",
+    "NORMSPEC_PDL": "chained launches, which this backend does not make",
+}
+
+#: launches of the C++ launcher the CuPy backend does not make, by design
+KNOWN_GAPS = {
+    # the global gate table's one-time fill: the CuPy backend fills its table with CuPy
+    "normspec_fill_gate_table_kernel": "fill",
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operator call as both backends receive it."""
+
+    op: str
+    dt: int
+    wdt: int
+    rows: int
+    hidden: int
+    backward: bool
+    rstd: bool = False  # forward: write rstd; backward: read the forward's
+    x_shift: int = 0  # elements between the buffer's start and x's first element
+    row_pad: int = 0  # elements between x's rows
+    w_shift: int = 0  # elements between the weight buffer's start and the weight
+
+    def __str__(self) -> str:
+        kind = "bwd" if self.backward else "fwd"
+        return (f"{self.op} {kind} dt={self.dt} wdt={self.wdt} {self.rows}x{self.hidden}"
+                f" rstd={int(self.rstd)} x+{self.x_shift} pad={self.row_pad}"
+                f" w+{self.w_shift}")
+
+
+@dataclass
+class Tensors:
+    rows: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    weight: torch.Tensor
+    stride: int
+
+
+def _row_tensor(call: Call, shift: int) -> tuple[torch.Tensor, int]:
+    stride = call.hidden + call.row_pad
+    buf = torch.empty(shift + call.rows * stride, dtype=TORCH_DTYPES[call.dt])
+    t = buf.as_strided((call.rows, call.hidden), (stride, 1), shift)
+    return t, (call.hidden if call.rows == 1 else stride)  # collapsible_rows' stride
+
+
+def _tensors(call: Call) -> Tensors:
+    x, stride = _row_tensor(call, call.x_shift)
+    op = OPS[call.op][0]
+    rows = [x] if op == cb.OP_FUSED_SUM or op == cb.OP_RMS else [x, _row_tensor(call, 0)[0]]
+    grads = []
+    if call.backward:
+        grads = [_row_tensor(call, 0)[0]]
+        if op in (cb.OP_FUSED, cb.OP_FUSED_SUM):
+            grads.append(_row_tensor(call, 0)[0])
+    wbuf = torch.empty(call.w_shift + call.hidden, dtype=TORCH_DTYPES[call.wdt])
+    return Tensors(rows, grads, wbuf[call.w_shift:], stride)
+
+
+def _flags(call: Call) -> int:
+    """The flags normspec_cuda.cpp gives the launcher (base_flags, gated_flags)."""
+    params = OPS[call.op][1]
+    flags = cb.F_OFFSET if params.get("offset", 0.0) != 0.0 else 0
+    if call.wdt == call.dt:
+        flags |= cb.F_W_IS_INPUT
+    if params.get("residual_sum") == "rounded":
+        flags |= cb.F_ROUNDED
+    if params.get("convention") == "hf":
+        flags |= cb.F_HF
+    if params.get("activation") == "sigmoid":
+        flags |= cb.F_SIGMOID
+    return flags
+
+
+def _probe_line(call: Call, t: Tensors) -> str:
+    """The call in launch_probe's input format (launch_probe.cu, run_call)."""
+    op, params, _ = OPS[call.op]
+    x = t.rows[0]
+    r = t.rows[1] if len(t.rows) > 1 else None
+    dy = t.grads[0] if t.grads else None
+    dres = t.grads[1] if len(t.grads) > 1 else None
+
+    def ptr(a):
+        return a.data_ptr() if a is not None else 0
+
+    def stride(a):
+        return t.stride if a is not None else 0
+
+    fields = (op, call.dt, call.wdt, call.rows, call.hidden, ptr(x), ptr(r), ptr(dy),
+              ptr(dres), ptr(t.weight), int(t.weight.is_contiguous()), t.stride, stride(r),
+              stride(dy), stride(dres), _flags(call), EPS, params.get("offset", 0.0),
+              int(call.rstd), int(call.backward))
+    return " ".join(map(str, fields))
+
+
+#: template arguments a kernel's declaration gives defaults (normspec_pipe.cuh): the CuPy
+#: backend's names leave them out, the demangled names spell them
+DEFAULT_TAILS = {
+    "normspec_fwd_pipe_kernel": ("-1",),
+    "normspec_fwd_row_kernel": ("-1", "false", "0"),
+    "normspec_bwd_pipe_kernel": ("-1", "false", "-1"),
+}
+
+
+def canonical(name: str) -> str:
+    """A kernel name without return type, parameters or namespace, its template arguments
+    all spelt (``normspec_bwd_row_kernel<__nv_bfloat16, 1, 8, true>``)."""
+    name = re.sub(r"^void ", "", name.strip())
+    name = re.sub(r"\(.*\)$", "", name).replace("normspec::", "")
+    base, _, rest = name.partition("<")
+    if not rest:
+        return base
+    args = [a.strip() for a in rest.rstrip(">").split(",")]
+    tail = DEFAULT_TAILS.get(base, ())
+    if tail and len(args) >= 3:  # the defaults start at the fourth argument
+        args += tail[len(args) - 3:]
+    return f"{base}<{', '.join(args)}>"
+
+
+Launch = tuple[str, tuple[int, int, int], tuple[int, int, int], int]
+
+
+def _pad3(v) -> tuple[int, int, int]:
+    v = tuple(int(i) for i in v)
+    return (*v, *(1,) * (3 - len(v)))
+
+
+def cpp_launches(probe, calls: list[Call], env: dict[str, str]
+                 ) -> list[tuple[list[Launch], bool]]:
+    """(launches, weight copied to fp32) of each call, by the C++ launcher. The tensors
+    are made one call at a time, for their addresses (CPU allocations are 64-byte aligned,
+    so the CuPy side's own tensors of the call have the same alignment)."""
+    lines = "".join(_probe_line(c, _tensors(c)) + "\n" for c in calls)
+    done = subprocess.run([str(probe), "launch"], input=lines, capture_output=True, text=True,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out: list[tuple[list[Launch], bool]] = []
+    launches: list[Launch] = []
+    copied = False
+    for line in done.stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "L":
+            gx, gy, gz, bx, by, bz, smem, _chained, name = rest.split(" ", 8)
+            name = canonical(name)
+            if name.partition("<")[0] in KNOWN_GAPS:
+                continue
+            launches.append((name, _pad3((gx, gy, gz)), _pad3((bx, by, bz)), int(smem)))
+        elif kind == "W":
+            copied = True
+        elif kind == "E":
+            out.append((launches, copied))
+            launches, copied = [], False
+        else:
+            raise AssertionError(f"launch_probe printed {line!r}")
+    assert len(out) == len(calls)
+    return out
+
+
+def cupy_launches(call: Call, monkeypatch, env: dict[str, str]) -> tuple[list[Launch], bool]:
+    """(launches, weight copied to fp32) of the call, by the CuPy backend's plumbing on
+    CPU tensors (nothing runs), with the switches of ``env`` set."""
+    recorded = _record_launches(monkeypatch)  # clears some switches: set them after
+    for var in SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    t = _tensors(call)
+    copies = []
+
+    class Side(_CpuSide):
+        def weight_f32(self, w, dt):
+            w32 = super().weight_f32(w, dt)
+            if w32.data_ptr() != w.data_ptr():  # a contiguous fp32 weight stays itself
+                copies.append(dt)
+            return w32
+
+    monkeypatch.setattr(cb, "_side", lambda kind, x: Side())
+    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: 0x100000 + 32768 * sig)
+    op, params, _ = OPS[call.op]
+    w = t.weight
+    if call.backward:
+        rstd = torch.empty(call.rows, dtype=torch.float32) if call.rstd else None
+        cb._backward("torch", op, t.grads, t.rows, w, EPS, params, rstd=rstd)
+    else:
+        cb._forward("torch", op, t.rows, w, EPS, params, keep_rstd=call.rstd)
+    launches = [(canonical(n), _pad3(g), _pad3(b), int(s)) for n, g, b, _, s in recorded]
+    return launches, bool(copies)
+
+
+def _calls(ops, dts, hiddens, rows_list, *, shapes=((0, 0, 0),), max_elements=1 << 26):
+    out = []
+    for name, dt, hidden, rows, (x_shift, pad, w_shift) in itertools.product(
+            ops, dts, hiddens, rows_list, shapes):
+        if rows * hidden > max_elements:
+            continue
+        for wdt in sorted({dt, cb.DT_F32}):
+            for backward, rstd in itertools.product((False, True), (False, True)):
+                if not backward and not OPS[name][2]:
+                    continue
+                out.append(Call(name, dt, wdt, rows, hidden, backward, rstd, x_shift, pad,
+                                w_shift))
+    return out
+
+
+def _check(probe, calls: list[Call], monkeypatch, env_vars: dict[str, str]) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NORMSPEC_")}
+    env.update(env_vars)
+    expected = cpp_launches(probe, calls, env)
+    mismatches = []
+    for call, want in zip(calls, expected, strict=True):
+        with monkeypatch.context() as m:
+            got = cupy_launches(call, m, env_vars)
+        if got != want:
+            mismatches.append(f"{call}\n  C++:  {want}\n  CuPy: {got}")
+    assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls launch differently "
+                            f"({env_vars or 'defaults'}):\n" + "\n".join(mismatches[:12]))
+    return len(calls)
+
+
+def test_canonical_names():
+    assert canonical("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>") == (
+        "normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6, false, 0>")
+    assert canonical("void normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6, false, 0>(__nv_"
+                     "bfloat16 const*, long long)") == (
+        "normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6, false, 0>")
+    assert canonical("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, true>") == (
+        "normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, true, -1>")
+    assert canonical("void normspec::normspec_gated_bwd_pair_kernel<__nv_bfloat16, 4, 7>(int)"
+                     ) == "normspec_gated_bwd_pair_kernel<__nv_bfloat16, 4, 7>"
+    assert canonical("normspec_col_tree_kernel(float const*, float*)") == (
+        "normspec_col_tree_kernel")
+
+
+DTS = (cb.DT_F32, cb.DT_BF16, cb.DT_F16)
+HIDDENS = (1, 7, 64, 100, 128, 256, 512, 1000, 2048, 4096, 8192, 12000)
+ROWS = (1, 3, 64, 1000, 8192, 65536)
+
+
+def test_default_launches_match_the_torch_extension(launch_probe, monkeypatch):
+    """Every op, dtype, weight dtype, row length and count (the GDN norm's gate table and
+    pair kernel, the decoder norm's one-row backward and its wide form, one dweight group
+    and many), forward and backward, rstd given or not: the same launches."""
+    n = _check(launch_probe, _calls(OPS, DTS, HIDDENS, ROWS), monkeypatch, {})
+    assert n > 2000
+
+
+#: misaligned x, padded rows, a weight off 16 bytes
+SHAPES = ((1, 0, 0), (0, 3, 0), (0, 8, 0), (0, 0, 1))
+
+
+def test_unaligned_rows_and_weights_launch_as_in_the_torch_extension(launch_probe,
+                                                                     monkeypatch):
+    """Rows off 16 bytes (the register kernels), padded rows that stay aligned, and a
+    16-bit weight off 16 bytes (copied to fp32, or the register kernels): the same
+    launches."""
+    calls = _calls(OPS, DTS, (64, 100, 256, 2048), (3, 1000, 8192), shapes=SHAPES)
+    assert _check(launch_probe, calls, monkeypatch, {}) > 500
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_switched_off_launches_match_the_torch_extension(launch_probe, switch, monkeypatch):
+    """Each speed switch off (``=0``) in both: the same launches, on the shapes its paths
+    decide (rms and fused 2048 wide, the GDN norm's 128, few rows and many)."""
+    calls = _calls(OPS, (cb.DT_F32, cb.DT_BF16), (128, 256, 2048), (1, 64, 1000, 16384))
+    assert _check(launch_probe, calls, monkeypatch, {switch: "0"}) > 100
+
+
+def test_bwd_row_wide_experiment_matches_the_torch_extension(launch_probe, monkeypatch):
+    """``NORMSPEC_BWD_ROW_WIDE=2`` (the wide one-row backward at any row count) and
+    ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (64-thread blocks for warp teams) in both."""
+    calls = _calls(("rms",), (cb.DT_BF16,), (256, 2048), (64, 1000, 2000, 8192))
+    env = {"NORMSPEC_BWD_ROW_WIDE": "2", "NORMSPEC_ROW_BLOCK_SPREAD": "1"}
+    assert _check(launch_probe, calls, monkeypatch, env) > 20
+
+
+def test_every_launcher_switch_is_mirrored_or_declared():
+    """A variable the launcher reads is either a switch both backends honour (and tested
+    above) or declared in NOT_MIRRORED with the reason: a new speed switch in the launcher
+    alone fails here."""
+    tested = {*SWITCHES, "NORMSPEC_ROW_BLOCK_SPREAD"}  # BWD_ROW_WIDE=2 above too
+    assert launcher_variables() == tested | set(NOT_MIRRORED)
