@@ -32,8 +32,9 @@ weight of the input dtype) as a compile-time constant and one table lookup per v
 rows or more (large launches), a kernel of its own that takes two rows a team per
 iteration (698 us against 766). Other rows (unaligned views,
 longer rows) run on the register and streaming kernels. The CuPy backend launches all
-of these kernels the same way (its launcher mirrors this one's in Python), but for the
-persistent forward and the chained tree launches. Every geometry gives
+of these kernels the same way (its launcher mirrors this one's in Python, and
+tests/test_cupy_launch_parity.py holds the two to the same launches), but for the
+chained tree launches, which it makes as plain ones. Every geometry gives
 the same bits; these variables only change speed (read once per process):
 
 * ``NORMSPEC_PIPE=0``: never use the pipelined kernels;
