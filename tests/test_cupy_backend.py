@@ -341,8 +341,9 @@ def test_gated_forward_on_the_persistent_kernel(shape, monkeypatch, ext):
     persistent forward with the gate table in each block's shared memory, as in the torch
     extension: 8192 x 128 (few rows: the one-row teams widen to one pass, the constant
     form of 16 lanes), 1000 x 2048 (past the global table's rows) and 12000 x 104 (rows
-    that fill no team, 16-byte aligned: the general form). The spec's bits and the extension's, both conventions and
-    activations, both weights' dtypes, forward and backward."""
+    that fill no team, 16-byte aligned: the general form). The spec's bits and the
+    extension's, both conventions and activations, both weights' dtypes, forward and
+    backward."""
     persistent = record_calls(monkeypatch, "pipe_forward_launch")
     for seed, (op, params) in enumerate(GATED):
         wdtype = (torch.float32, torch.bfloat16)[seed % 2]
