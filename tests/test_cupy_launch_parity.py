@@ -6,8 +6,13 @@ form that lands in the launcher alone costs the CuPy backend speed and fails not
 Here the launcher itself runs on the host (``tests/launch_probe``: its translation units
 linked against a recording stand-in for the CUDA runtime), and for the same calls (row
 pointers, strides, dtypes, conventions, rstd given or not, speed switches) both must make
-the same launches: kernel (template arguments included), grid, block and dynamic shared
-memory, and both must read a 16-bit weight as it is or both copy it to fp32.
+the same launches: kernel (template arguments included), grid, block, dynamic shared
+memory and arguments (sizes, strides, eps, offset, flags, team and group sizes; pointers by
+what they point to: an input, null, or a buffer the call allocates), and both must read a
+16-bit weight as it is or both copy it to fp32. The launcher runs with ``NORMSPEC_PDL=0``:
+the CuPy backend makes the dweight tree's launches plain, not chained (CuPy's kernel launch
+takes no launch attributes), and a chained launch's only other mark is the backward
+kernel's F_LET_DEPENDENTS flag.
 
 What the CuPy backend does not do, on purpose, is listed in ``KNOWN_GAPS`` with the
 reason; a call that hits one is held to the rest of its launches.
@@ -21,6 +26,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from test_cupy_nvrtc import _CpuSide, _record_launches
@@ -103,6 +109,18 @@ def _row_tensor(call: Call, shift: int) -> tuple[torch.Tensor, int]:
     return t, (call.hidden if call.rows == 1 else stride)  # collapsible_rows' stride
 
 
+def _roles(t: Tensors) -> dict[int, str]:
+    """What each input's address is, for reading the launches' pointer arguments."""
+    named = {"x": t.rows[0], "r": t.rows[1] if len(t.rows) > 1 else None,
+             "dy": t.grads[0] if t.grads else None,
+             "dres": t.grads[1] if len(t.grads) > 1 else None, "w": t.weight}
+    return {a.data_ptr(): role for role, a in named.items() if a is not None}
+
+
+def _pointer(value: int, roles: dict[int, str]) -> str:
+    return "0" if value == 0 else roles.get(value, "new")
+
+
 def _tensors(call: Call) -> Tensors:
     x, stride = _row_tensor(call, call.x_shift)
     op = OPS[call.op][0]
@@ -176,7 +194,7 @@ def canonical(name: str) -> str:
     return f"{base}<{', '.join(args)}>"
 
 
-Launch = tuple[str, tuple[int, int, int], tuple[int, int, int], int]
+Launch = tuple[str, tuple[int, int, int], tuple[int, int, int], int, tuple[str, ...]]
 
 
 def _pad3(v) -> tuple[int, int, int]:
@@ -189,9 +207,13 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
     """(launches, weight copied to fp32) of each call, by the C++ launcher. The tensors
     are made one call at a time, for their addresses (CPU allocations are 64-byte aligned,
     so the CuPy side's own tensors of the call have the same alignment)."""
-    lines = "".join(_probe_line(c, _tensors(c)) + "\n" for c in calls)
-    done = subprocess.run([str(probe), "launch"], input=lines, capture_output=True, text=True,
-                          env=env)
+    lines, roles = [], []
+    for c in calls:
+        t = _tensors(c)
+        lines.append(_probe_line(c, t) + "\n")
+        roles.append(_roles(t))
+    done = subprocess.run([str(probe), "launch"], input="".join(lines), capture_output=True,
+                          text=True, env={**env, "NORMSPEC_PDL": "0"})
     assert done.returncode == 0, done.stderr[-4000:]
     out: list[tuple[list[Launch], bool]] = []
     launches: list[Launch] = []
@@ -199,11 +221,14 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
     for line in done.stdout.splitlines():
         kind, _, rest = line.partition(" ")
         if kind == "L":
-            gx, gy, gz, bx, by, bz, smem, _chained, name = rest.split(" ", 8)
-            name = canonical(name)
+            gx, gy, gz, bx, by, bz, smem, chained, nargs, *more = rest.split(" ")
+            args, name = more[:int(nargs)], canonical(" ".join(more[int(nargs):]))
+            assert chained == "0", line  # NORMSPEC_PDL=0
             if name.partition("<")[0] in KNOWN_GAPS:
                 continue
-            launches.append((name, _pad3((gx, gy, gz)), _pad3((bx, by, bz)), int(smem)))
+            where = roles[len(out)]
+            args = tuple(_pointer(int(a[1:], 16), where) if a[0] == "p" else a for a in args)
+            launches.append((name, _pad3((gx, gy, gz)), _pad3((bx, by, bz)), int(smem), args))
         elif kind == "W":
             copied = True
         elif kind == "E":
@@ -242,7 +267,17 @@ def cupy_launches(call: Call, monkeypatch, env: dict[str, str]) -> tuple[list[La
         cb._backward("torch", op, t.grads, t.rows, w, EPS, params, rstd=rstd)
     else:
         cb._forward("torch", op, t.rows, w, EPS, params, keep_rstd=call.rstd)
-    launches = [(canonical(n), _pad3(g), _pad3(b), int(s)) for n, g, b, _, s in recorded]
+    roles = _roles(t)
+
+    def token(v) -> str:
+        if isinstance(v, np.uint64):
+            return _pointer(int(v), roles)
+        if isinstance(v, np.float32):
+            return f"f{int(v.view(np.uint32)):08x}"
+        return f"i{int(v)}"
+
+    launches = [(canonical(n), _pad3(g), _pad3(b), int(s), tuple(map(token, a)))
+                for n, g, b, a, s in recorded]
     return launches, bool(copies)
 
 
