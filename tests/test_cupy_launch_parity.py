@@ -102,9 +102,9 @@ class Tensors:
     stride: int
 
 
-def _row_tensor(call: Call, shift: int) -> tuple[torch.Tensor, int]:
+def _row_tensor(call: Call, shift: int, device: str = "cpu") -> tuple[torch.Tensor, int]:
     stride = call.hidden + call.row_pad
-    buf = torch.empty(shift + call.rows * stride, dtype=TORCH_DTYPES[call.dt])
+    buf = torch.empty(shift + call.rows * stride, dtype=TORCH_DTYPES[call.dt], device=device)
     t = buf.as_strided((call.rows, call.hidden), (stride, 1), shift)
     return t, (call.hidden if call.rows == 1 else stride)  # collapsible_rows' stride
 
@@ -121,16 +121,17 @@ def _pointer(value: int, roles: dict[int, str]) -> str:
     return "0" if value == 0 else roles.get(value, "new")
 
 
-def _tensors(call: Call) -> Tensors:
-    x, stride = _row_tensor(call, call.x_shift)
+def _tensors(call: Call, device: str = "cpu") -> Tensors:
+    """The call's tensors (uninitialised: nothing here reads their values)."""
+    x, stride = _row_tensor(call, call.x_shift, device)
     op = OPS[call.op][0]
-    rows = [x] if op == cb.OP_FUSED_SUM or op == cb.OP_RMS else [x, _row_tensor(call, 0)[0]]
+    rows = [x] if op in (cb.OP_FUSED_SUM, cb.OP_RMS) else [x, _row_tensor(call, 0, device)[0]]
     grads = []
     if call.backward:
-        grads = [_row_tensor(call, 0)[0]]
+        grads = [_row_tensor(call, 0, device)[0]]
         if op in (cb.OP_FUSED, cb.OP_FUSED_SUM):
-            grads.append(_row_tensor(call, 0)[0])
-    wbuf = torch.empty(call.w_shift + call.hidden, dtype=TORCH_DTYPES[call.wdt])
+            grads.append(_row_tensor(call, 0, device)[0])
+    wbuf = torch.empty(call.w_shift + call.hidden, dtype=TORCH_DTYPES[call.wdt], device=device)
     return Tensors(rows, grads, wbuf[call.w_shift:], stride)
 
 
@@ -373,3 +374,108 @@ def test_every_launcher_switch_is_mirrored_or_declared():
     alone fails here."""
     tested = {*SWITCHES, "NORMSPEC_ROW_BLOCK_SPREAD"}  # BWD_ROW_WIDE=2 above too
     assert launcher_variables() == tested | set(NOT_MIRRORED)
+
+
+# ---- on the GPU: what the two backends' calls ran, as the profiler saw it ----------------
+def _ext_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
+    """The call through the torch extension's operators."""
+    ops = torch.ops.normspec
+    op, p, _ = OPS[call.op]
+    x, w = t.rows[0], t.weight
+    if not call.backward:
+        if op == cb.OP_RMS:
+            f = ops.rms_norm_with_rstd if call.rstd else ops.rms_norm
+            f(x, w, EPS, p["offset"])
+        elif op == cb.OP_FUSED:
+            f = ops.fused_add_rms_norm_with_rstd if call.rstd else ops.fused_add_rms_norm
+            f(x, t.rows[1], w, EPS, p["offset"], p["residual_sum"])
+        else:
+            f = ops.rms_norm_gated_with_rstd if call.rstd else ops.rms_norm_gated
+            f(x, t.rows[1], w, EPS, p["convention"], p["activation"])
+        return
+    dy = t.grads[0]
+    if op == cb.OP_RMS:
+        ops.rms_norm_backward(dy, x, w, EPS, p["offset"], rstd)
+    elif op == cb.OP_FUSED:
+        ops.fused_add_rms_norm_backward(dy, t.grads[1], x, t.rows[1], w, EPS, p["offset"],
+                                        p["residual_sum"], rstd)
+    elif op == cb.OP_FUSED_SUM:
+        ops.fused_add_rms_norm_backward_from_sum(dy, t.grads[1], x, w, EPS, p["offset"],
+                                                 p["residual_sum"], rstd)
+    else:
+        ops.rms_norm_gated_backward(dy, x, t.rows[1], w, EPS, p["convention"], p["activation"],
+                                    rstd)
+
+
+def _cupy_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
+    """The call through the CuPy backend (torch CUDA tensors, its internal entry points)."""
+    op, params, _ = OPS[call.op]
+    if call.backward:
+        cb._backward("torch", op, t.grads, t.rows, t.weight, EPS, params, rstd=rstd)
+    else:
+        cb._forward("torch", op, t.rows, t.weight, EPS, params, keep_rstd=call.rstd)
+
+
+def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:
+    """Each call's normspec kernels as the profiler (CUPTI) saw them run: (name, grid,
+    block, shared memory). A spin kernel (``torch.cuda._sleep``) before each call
+    separates them; other kernels (torch's fp32 weight copies) and the gate tables' fills
+    are left out."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    made = []
+    for call in calls:
+        t = _tensors(call, "cuda")
+        rstd = (torch.empty(call.rows, dtype=torch.float32, device="cuda")
+                if call.backward and call.rstd else None)
+        made.append((call, t, rstd))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for call, t, rstd in made:
+            torch.cuda._sleep(1)
+            run(call, t, rstd)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = f"{tmp}/trace.json"
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    out: list[list[tuple]] = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if "spin_kernel" in e["name"]:
+            out.append([])
+            continue
+        name = canonical(e["name"])
+        if not name.startswith("normspec") or "fill_gate_table" in name:
+            continue
+        a = e.get("args", {})
+        out[-1].append((name, tuple(a.get("grid", ())), tuple(a.get("block", ())),
+                        a.get("shared memory")))
+    assert len(out) == len(calls)
+    return out
+
+
+@pytest.mark.cuda
+def test_the_gpu_runs_the_same_kernels_for_both_backends():
+    """On the GPU, without the probe: the CuPy backend and the torch extension run the same
+    normspec kernels with the same grids, blocks and shared memory for the same calls (the
+    profiler's record of what ran, through the extension's own host code), every op,
+    dtype, weight dtype, a range of row lengths and counts, rstd given or not."""
+    from normspec.backends import torch_ext as te
+
+    if te.cuda_build_possible() is not None or cb.available() is not None:
+        pytest.skip(f"torch_ext: {te.cuda_build_possible()}; cupy: {cb.available()}")
+    te.build(verbose=True)
+    calls = _calls(OPS, DTS, (64, 100, 128, 256, 1000, 2048, 8192), (1, 64, 1000, 8192),
+                   max_elements=1 << 24)
+    want = _profiled_kernels(_ext_call, calls)
+    got = _profiled_kernels(_cupy_call, calls)
+    assert sum(map(len, want)) >= len(calls)  # at least a kernel a call
+    assert all(len(k[1]) == 3 and len(k[2]) == 3 for launches in want for k in launches)
+    mismatches = [f"{c}\n  torch_ext: {w}\n  cupy:      {g}"
+                  for c, w, g in zip(calls, want, got, strict=True) if w != g]
+    assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls ran differently:\n"
+                            + "\n".join(mismatches[:12]))
