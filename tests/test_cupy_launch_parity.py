@@ -428,15 +428,11 @@ def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    made = []
-    for call in calls:
-        t = _tensors(call, "cuda")
-        rstd = (torch.empty(call.rows, dtype=torch.float32, device="cuda")
-                if call.backward and call.rstd else None)
-        made.append((call, t, rstd))
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for call, t, rstd in made:
+        for call in calls:  # (allocations launch no kernels)
+            t = _tensors(call, "cuda")
+            rstd = (torch.empty(call.rows, dtype=torch.float32, device="cuda")
+                    if call.backward and call.rstd else None)
             torch.cuda._sleep(1)
             run(call, t, rstd)
         torch.cuda.synchronize()
