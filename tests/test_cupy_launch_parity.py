@@ -420,7 +420,7 @@ def _cupy_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
 
 def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:
     """Each call's normspec kernels as the profiler (CUPTI) saw them run: (name, grid,
-    block, shared memory). A spin kernel (``torch.cuda._sleep``) before each call
+    block, shared memory, registers per thread). A spin kernel (``torch.cuda._sleep``) before each call
     separates them; other kernels (torch's fp32 weight copies) and the gate tables' fills
     are left out."""
     import json
@@ -451,9 +451,23 @@ def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:
             continue
         a = e.get("args", {})
         out[-1].append((name, tuple(a.get("grid", ())), tuple(a.get("block", ())),
-                        a.get("shared memory")))
+                        a.get("shared memory"), a.get("registers per thread")))
     assert len(out) == len(calls)
     return out
+
+
+def _same_launches(want: list[tuple], got: list[tuple]) -> bool:
+    """Whether two calls' kernels agree: names, blocks and shared memory always, grids
+    where the two binaries of a kernel have the same registers per thread. A persistent
+    kernel's grid is its resident blocks on the device, which follow the registers of the
+    binary that runs: nvcc's for the extension, NVRTC's for the CuPy backend (two compiler
+    builds, whose register allocation may differ for the same source and flags)."""
+    if len(want) != len(got):
+        return False
+    for (wn, wg, wb, ws, wr), (gn, gg, gb, gs, gr) in zip(want, got, strict=True):
+        if (wn, wb, ws) != (gn, gb, gs) or (wr == gr and wg != gg):
+            return False
+    return True
 
 
 @pytest.mark.cuda
@@ -461,7 +475,9 @@ def test_the_gpu_runs_the_same_kernels_for_both_backends():
     """On the GPU, without the probe: the CuPy backend and the torch extension run the same
     normspec kernels with the same grids, blocks and shared memory for the same calls (the
     profiler's record of what ran, through the extension's own host code), every op,
-    dtype, weight dtype, a range of row lengths and counts, rstd given or not."""
+    dtype, weight dtype, a range of row lengths and counts, rstd given or not. Kernels
+    whose two binaries differ in registers (nvcc against NVRTC) may differ in a persistent
+    grid (``_same_launches``); they are reported as a warning."""
     from normspec.backends import torch_ext as te
 
     if te.cuda_build_possible() is not None or cb.available() is not None:
@@ -474,6 +490,14 @@ def test_the_gpu_runs_the_same_kernels_for_both_backends():
     assert sum(map(len, want)) >= len(calls)  # at least a kernel a call
     assert all(len(k[1]) == 3 and len(k[2]) == 3 for launches in want for k in launches)
     mismatches = [f"{c}\n  torch_ext: {w}\n  cupy:      {g}"
-                  for c, w, g in zip(calls, want, got, strict=True) if w != g]
+                  for c, w, g in zip(calls, want, got, strict=True)
+                  if not _same_launches(w, g)]
     assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls ran differently:\n"
                             + "\n".join(mismatches[:12]))
+    registers = sorted({(w[0], w[4], g[4]) for ws, gs in zip(want, got, strict=True)
+                        for w, g in zip(ws, gs, strict=True) if w[4] != g[4]})
+    if registers:
+        import warnings
+
+        warnings.warn("kernels whose nvcc and NVRTC binaries differ in registers per thread "
+                      f"(name, torch_ext, cupy): {registers}", stacklevel=1)
