@@ -420,9 +420,9 @@ def _cupy_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
 
 def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:
     """Each call's normspec kernels as the profiler (CUPTI) saw them run: (name, grid,
-    block, shared memory, registers per thread). A spin kernel (``torch.cuda._sleep``) before each call
-    separates them; other kernels (torch's fp32 weight copies) and the gate tables' fills
-    are left out."""
+    block, shared memory, registers per thread). A spin kernel (``torch.cuda._sleep``)
+    before each call separates them; other kernels (torch's fp32 weight copies) and the
+    gate tables' fills are left out."""
     import json
     import tempfile
 
