@@ -51,7 +51,8 @@ the forward on the persistent kernel, ``NORMSPEC_FULL_ROW=0`` runs the general-g
 forms and ``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
 speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE``,
 ``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL`` and the
-GT forms' (``gt_form``), read here at each call. On an
+GT forms' (``gt_form``), read here at each call. ``NORMSPEC_BUILD_DEFINES`` gives
+NVRTC the extension's build-time definitions (``normspec.backends.build_defines``). On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 The extension's forms above took the bench's GPU times to the extension's own, within
@@ -106,6 +107,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from normspec.backends.build_defines import build_defines
 from normspec.registry import Backend, OpSupport
 from normspec.spec.validation import (
     ACTIVATIONS,
@@ -944,12 +946,15 @@ def cuda_include_dir() -> str | None:
 
 
 def compile_options(arch_flag: str) -> tuple[str, ...]:
-    """Full NVRTC options for ``arch_flag`` (``-arch=sm_90`` or ``-arch=compute_90``)."""
+    """Full NVRTC options for ``arch_flag`` (``-arch=sm_90`` or ``-arch=compute_90``),
+    with the definitions of ``$NORMSPEC_BUILD_DEFINES``, as the torch extension's build
+    (they are part of the compile cache's key). Raises ``ValueError`` naming the variable
+    for an entry that is not ``NAME`` or ``NAME=VALUE``."""
     inc = [f"-I{CSRC}"]
     cuda_inc = cuda_include_dir()
     if cuda_inc:
         inc.append(f"-I{cuda_inc}")
-    return (*NVRTC_OPTIONS, *inc, arch_flag)
+    return (*NVRTC_OPTIONS, *build_defines(), *inc, arch_flag)
 
 
 def compile_kernels(names: Sequence[str], arch: str) -> tuple[bytes, dict[str, str], str]:
@@ -1122,7 +1127,7 @@ def available(*, compile: bool = True) -> str | None:
             for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
                 for dt in (DT_F32, DT_BF16, DT_F16):
                     _module(0, op, dt)
-        except NVRTCCompileError as exc:
+        except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines
             return str(exc)
         except Exception as exc:
             return f"loading the NVRTC module failed: {type(exc).__name__}: {exc}"

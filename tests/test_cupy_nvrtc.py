@@ -984,6 +984,48 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
             assert low == "_Z24normspec_col_tree_kernelPKfPfxxi"
 
 
+def test_build_defines_reach_nvrtc(monkeypatch):
+    """``NORMSPEC_BUILD_DEFINES`` becomes NVRTC's -D options, as the extension's nvcc flags
+    (so they key the compile cache too); a bad entry is named."""
+    monkeypatch.delenv("NORMSPEC_BUILD_DEFINES", raising=False)
+    plain = cb.compile_options("-arch=sm_90")
+    assert not any(o.startswith("-D") for o in plain)
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_BWD_PIN_OCCUPANCY=1 FOO")
+    opts = cb.compile_options("-arch=sm_90")
+    assert [o for o in opts if o.startswith("-D")] == ["-DNORMSPEC_BWD_PIN_OCCUPANCY=1", "-DFOO"]
+    assert opts[-1] == "-arch=sm_90" and set(plain) < set(opts)
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "1BAD")
+    with pytest.raises(ValueError, match=r"NORMSPEC_BUILD_DEFINES: expected .* got '1BAD'"):
+        cb.compile_options("-arch=sm_90")
+
+
+def _registers(names, monkeypatch) -> dict[str, int]:
+    """Registers per thread of each kernel, from ptxas's report through NVRTC (sm_90)."""
+    real = cb.compile_options
+    monkeypatch.setattr(cb, "compile_options", lambda a: (*real(a), "--ptxas-options=-v"))
+    _image, mapping, log = cb.compile_kernels(names, "sm_90")
+    regs, current = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)'", line):
+            current = m.group(1)
+        elif (m := re.search(r"Used (\d+) registers", line)) and current:
+            regs[current] = int(m.group(1))
+    return {n: regs[mapping[n]] for n in names}
+
+
+def test_pinned_occupancy_caps_the_registers(monkeypatch):
+    """``NORMSPEC_BUILD_DEFINES=NORMSPEC_BWD_PIN_OCCUPANCY=1`` (a build-time experiment,
+    off by default) caps the two forms whose NVRTC binaries took one resident block per SM
+    less than nvcc's on the H200 at 80 registers (three 256-thread blocks a SM)."""
+    _nvrtc_or_skip()
+    names = ["normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, false, -1>",
+             "normspec_bwd_pipe_kernel<3, __nv_bfloat16, 1, 5, true, -1>",
+             "normspec_bwd_pipe_kernel<1, __half, 1, 5, true, -1>"]
+    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_BWD_PIN_OCCUPANCY=1")
+    pinned = _registers(names, monkeypatch)
+    assert all(r <= 80 for r in pinned.values()), pinned
+
+
 def test_ptx_has_ieee_arithmetic_only():
     """No flush-to-zero, no contraction into fma, no approximate division or sqrt."""
     _nvrtc_or_skip()

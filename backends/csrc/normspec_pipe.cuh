@@ -1394,6 +1394,15 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 #ifndef NORMSPEC_BWD_MIN_BLOCKS
 #define NORMSPEC_BWD_MIN_BLOCKS 1
 #endif
+// Build-time experiment (default 0, off): NORMSPEC_BWD_PIN_OCCUPANCY=1 caps two forms at
+// 80 registers (three 256-thread blocks per SM), which nvcc 13.0 reaches by itself and
+// NVRTC 13.0 does not (86 and 84 registers on the H200, so one resident block less per SM
+// for the CuPy backend; notes/perf.md §44): the rms norm's recomputing two-pass form of
+// 128 threads (16-bit rows of 2048) and the saved-rstd one-pass forms of 32 lanes of the
+// other ops (16-bit rows of 256). Off until timed in both builds.
+#ifndef NORMSPEC_BWD_PIN_OCCUPANCY
+#define NORMSPEC_BWD_PIN_OCCUPANCY 0
+#endif
 //
 // FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL) with
 // teams of 2**FULL_TL threads, as for the one-row forward: the geometry is
@@ -1419,6 +1428,10 @@ __host__ __device__ constexpr int bwd_min_blocks() {
   // the gate table (64 KiB) bounds these launches to two blocks per SM: up to 128
   // registers cost nothing
   if (GC >= 0) return 2;
+  if (NORMSPEC_BWD_PIN_OCCUPANCY && sizeof(T) == 2 &&
+      ((OP == normspec::OP_RMS && !SAVED && NP == 2 && FULL_TL == 7) ||
+       (OP != normspec::OP_RMS && SAVED && NP == 1 && FULL_TL == 5)))
+    return 3;
   if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return NORMSPEC_BWD_MIN_BLOCKS;
   if (NP == 2) return 2;
   return OP == normspec::OP_RMS ? 4 : NORMSPEC_BWD_MIN_BLOCKS;

@@ -28,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import sys
 import threading
 from pathlib import Path
 
 import torch
+
+from ..build_defines import build_defines
 
 __all__ = ["CSRC", "available", "build", "build_defines", "build_directory",
            "cuda_build_possible", "loaded"]
@@ -77,22 +78,6 @@ def cuda_build_possible() -> str | None:
         return "nvcc not found (set CUDA_HOME)"
     return None
 
-
-_DEFINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]+)?")
-
-
-def build_defines() -> list[str]:
-    """The ``-D`` flags of ``$NORMSPEC_BUILD_DEFINES`` (empty when unset).
-
-    Raises ``ValueError`` naming the variable and the entry that is not ``NAME`` or
-    ``NAME=VALUE`` (a C identifier, and a non-empty value of letters, digits and
-    ``_.+-``)."""
-    defines = os.environ.get("NORMSPEC_BUILD_DEFINES", "").split()
-    for d in defines:
-        if not _DEFINE.fullmatch(d):
-            raise ValueError(f"NORMSPEC_BUILD_DEFINES: expected space-separated NAME or "
-                             f"NAME=VALUE entries, got {d!r}")
-    return [f"-D{d}" for d in defines]
 
 
 def _tag(with_cuda: bool) -> str:
