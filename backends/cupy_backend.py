@@ -1493,7 +1493,8 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
             # forward_t: the global gate table's forms, else the one-row forward where no
             # gate table is wanted, else the persistent forward (its per-block table)
             sm_count = _sm_count(cp, side.dev)
-            if row_forward_enabled():
+            one_row = row_forward_enabled()
+            if one_row:
                 row = gated_row_table_launch(op, dt, nrows, hidden, sm_count,
                                              hf=bool(a.flags & F_HF),
                                              w_is_input=bool(a.flags & F_W_IS_INPUT),
@@ -1502,11 +1503,11 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                 gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
                 if gtab is None:
                     row = None
-            if (row is None and row_forward_enabled()
-                    and not wants_gate_table(op, dt, nrows, hidden)):
+            if row is None and one_row and not wants_gate_table(op, dt, nrows, hidden):
                 row = row_forward_launch(op, dt, nrows, hidden, sm_count)
             if row is None:
-                pipe = pipe_forward_launch(op, dt, nrows, hidden, _smem_optin(cp, side.dev))
+                optin = _smem_optin(cp, side.dev)
+                pipe = pipe_forward_launch(op, dt, nrows, hidden, optin)
         # the one-row and persistent kernels read a 16-bit weight as it is; the register
         # kernels fp32
         a = _with_weight(side, a, weight, dt,
@@ -1520,7 +1521,7 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
         if pipe is not None:
             fn = _kernel(side.dev, op, dt, pipe.name)
             per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, pipe.name, pipe.smem),
-                                          pipe.block, pipe.smem, _smem_optin(cp, side.dev))
+                                          pipe.block, pipe.smem, optin)
             _launch(fn, (persistent_grid(nrows, pipe.team_log, per_sm, sm_count), 1, 1),
                     (pipe.block, 1, 1), (*args, np.int32(pipe.team_log), rstd_ptr), pipe.smem)
         elif row is not None:
