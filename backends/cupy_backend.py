@@ -41,18 +41,21 @@ its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor a
 the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
 explicit backward functions do the same given ``rstd`` (from the ``*_with_rstd``
 forwards) and the sum (``fused_add_rms_norm_backward_from_sum``); else they recompute
-rstd. Not launched from here: chained (programmatic dependent) launches of the dweight
-tree (CuPy's kernel launch takes no launch attributes; the same kernels run as plain
-launches). Every kernel gives the spec's bits. tests/test_cupy_launch_parity.py holds the
+rstd. The dweight tree's launches are chained after the backward kernel (programmatic
+dependent launch, ``chained_launches``), as in the extension: CuPy's kernel launch takes
+no launch attributes, so they go through the driver's ``cuLaunchKernelEx`` (ctypes);
+plain inside a CUDA graph capture, before sm_90 and with ``NORMSPEC_PDL=0``. Every kernel
+gives the spec's bits. tests/test_cupy_launch_parity.py holds the
 launches to the extension's: the same kernels, grids, blocks and shared memory for the
 same calls, under every switch below.
 ``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
 the forward on the persistent kernel, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry
 forms and ``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
 speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE``,
-``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL`` and the
-GT forms' (``gt_form``), read here at each call. ``NORMSPEC_BUILD_DEFINES`` gives
-NVRTC the extension's build-time definitions (``normspec.backends.build_defines``). On an
+``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL``,
+``NORMSPEC_PDL`` and the GT forms' (``gt_form``), read here at each call.
+``NORMSPEC_BUILD_DEFINES`` gives NVRTC the extension's build-time definitions
+(``normspec.backends.build_defines``). On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 The extension's forms above took the bench's GPU times to the extension's own, within
@@ -95,6 +98,7 @@ with ``cupy.RawModule(path=...)``.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -191,7 +195,7 @@ OP_RMS, OP_FUSED, OP_GATED = 0, 1, 2
 OP_FUSED_SUM = 3
 OP_CODES = {"rms_norm": OP_RMS, "fused_add_rms_norm": OP_FUSED, "rms_norm_gated": OP_GATED}
 F_OFFSET, F_ROUNDED, F_HF, F_SIGMOID, F_W_IS_INPUT, F_ALIGNED = 1, 2, 4, 8, 16, 32
-F_GATE_TABLE, F_W_RAW, F_DW_FINAL = 64, 128, 256
+F_GATE_TABLE, F_W_RAW, F_DW_FINAL, F_LET_DEPENDENTS = 64, 128, 256, 512
 # normspec_launch_impl.cuh: static shared memory kept free, the gate table's slots and
 # the smallest launch that fills it, the plan's stack budget per block
 _STATIC_SMEM_ROOM = 2048
@@ -883,6 +887,7 @@ _gate_tables: dict[int, Any] = {}
 _gate_tables_filled: set[tuple[int, bool]] = set()
 _smem_optins: dict[int, int] = {}
 _occupancy: dict[tuple, int] = {}
+_pdl_devices: dict[int, bool] = {}
 _compile_error: str | None = None
 
 
@@ -1379,8 +1384,109 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
 
 
 def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-            shared_mem: int = 0) -> None:
-    fn(grid, block, args, shared_mem=shared_mem)  # RawKernel's own default is 0
+            shared_mem: int = 0, *, chained: bool = False) -> None:
+    """Launches ``fn`` on the current stream; ``chained``: as a programmatic dependent
+    launch (``_launch_chained``; the caller has asked ``chained_launches``)."""
+    if chained:
+        _launch_chained(fn, grid, block, args, shared_mem)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem)  # RawKernel's own default is 0
+
+
+# ---- chained launches: programmatic dependent launch through the driver API ----------
+# CuPy's RawKernel takes no launch attributes, so the chained tree launches go through
+# cuLaunchKernelEx (CUDA 12.0+), as normspec_launch.cu's launch_chained does through
+# cudaLaunchKernelEx. cuda.h (13.0): CUlaunchConfig, CUlaunchAttribute (an id, padding to
+# 8 bytes, a 64-byte value union) and CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# = 6, whose value is an int at the union's start.
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _CuLaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint64 * 8)]
+
+
+class _CuLaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_CuLaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_CTYPES_OF = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "int32": ctypes.c_int32,
+              "float32": ctypes.c_float}
+_cu_launch_kernel_ex_fn: list[Any] = []  # [] until looked up, then [function or None]
+
+
+def _cu_launch_kernel_ex() -> Any | None:
+    """The driver's ``cuLaunchKernelEx`` (ctypes), or ``None`` where the driver library
+    cannot be loaded or lacks it (a driver older than CUDA 12.0)."""
+    if not _cu_launch_kernel_ex_fn:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        except (OSError, AttributeError):
+            pass
+        if fn is not None:
+            fn.argtypes = [ctypes.POINTER(_CuLaunchConfig), ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+            fn.restype = ctypes.c_int
+        _cu_launch_kernel_ex_fn.append(fn)
+    return _cu_launch_kernel_ex_fn[0]
+
+
+def _pdl_capable(cp: Any, dev: int) -> bool:
+    """Whether the kernels on ``dev`` may be chained: compiled for sm_90 or later (their
+    ``griddepcontrol.wait`` is then real; the extension asks the tree kernel's
+    ``ptxVersion``, which here is the NVRTC target) and a driver with cuLaunchKernelEx
+    (cached per device)."""
+    ok = _pdl_devices.get(dev)
+    if ok is None:
+        arch = int(_device_arch(cp, dev).partition("_")[2])
+        ok = _pdl_devices[dev] = arch >= 90 and _cu_launch_kernel_ex() is not None
+    return ok
+
+
+def _current_stream_capturing(cp: Any) -> bool:
+    return _capturing(cp, cp.cuda.get_current_stream())
+
+
+def chained_launches(cp: Any, dev: int) -> bool:
+    """Whether the dweight tree's launches are chained after the backward kernel on the
+    current stream, as in the extension (``normspec::chained_launches``): not with
+    ``NORMSPEC_PDL=0`` (read at each call), not on devices or code before sm_90, and not
+    inside a CUDA graph capture."""
+    return (not _switched_off("NORMSPEC_PDL") and _pdl_capable(cp, dev)
+            and not _current_stream_capturing(cp))
+
+
+def _launch_chained(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+                    shared_mem: int) -> None:
+    """``fn`` on the current stream with programmatic stream serialization: its blocks may
+    be scheduled while the kernel before it runs (which calls
+    ``griddepcontrol.launch_dependents``); they wait for it in ``griddepcontrol.wait``.
+    ``args``: NumPy scalars (``np.uint64`` pointers, ``np.int64``, ``np.int32``,
+    ``np.float32``)."""
+    launch = _cu_launch_kernel_ex()
+    if launch is None:  # chained_launches said no; a caller that did not ask
+        raise RuntimeError("a chained launch needs the driver's cuLaunchKernelEx")
+    values = [_CTYPES_OF[a.dtype.name](a.item()) for a in args]
+    params = (ctypes.c_void_p * max(len(values), 1))(*(ctypes.addressof(v) for v in values))
+    attr = _CuLaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _CuLaunchConfig(
+        grid=(ctypes.c_uint * 3)(*_pad_dims(grid)), block=(ctypes.c_uint * 3)(*_pad_dims(block)),
+        shared_mem_bytes=shared_mem, stream=_cupy().cuda.get_current_stream().ptr or None,
+        attrs=ctypes.pointer(attr), num_attrs=1)
+    status = launch(ctypes.byref(config), fn.kernel.ptr, params, None)
+    if status != 0:
+        from cupy_backends.cuda.api import driver
+
+        raise driver.CUDADriverError(status)
+
+
+def _pad_dims(dims: tuple[int, ...]) -> tuple[int, int, int]:
+    return (*(int(d) for d in dims), *(1,) * (3 - len(dims)))  # type: ignore[return-value]
 
 
 def _smem_optin(cp: Any, dev: int) -> int:
@@ -1594,6 +1700,7 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         rstd_ptr = np.uint64(_ptr(rstd) if reads_rstd else 0)
         final = (pipe is not None and pipe.groups == 1 and dt != DT_F32 and wdt == dt
                  and dw_final_enabled())
+        chained = False  # the dweight tree's launches chained after the backward kernel
         if pipe is not None:
             name, glog, groups, table, (block, smem, team_log) = pipe
             if final:  # one group: the kernel stores dweight itself in the weight's dtype
@@ -1601,6 +1708,9 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                 a = a._replace(flags=a.flags | F_DW_FINAL)
             else:
                 ws, wsv = side.empty_f32((groups, hidden))
+                chained = _tree_follows(groups, wdt) and chained_launches(cp, side.dev)
+            if chained:
+                a = a._replace(flags=a.flags | F_LET_DEPENDENTS)
             fn = _kernel(side.dev, op, dt, name)
             if pipe.kind != "row":  # the persistent kernels: their resident blocks per SM
                 per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
@@ -1629,6 +1739,9 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         else:
             glog, groups = backward_plan(dt, nrows, hidden, sms)
             ws, wsv = side.empty_f32((groups, hidden))
+            chained = _tree_follows(groups, wdt) and chained_launches(cp, side.dev)
+            if chained:
+                a = a._replace(flags=a.flags | F_LET_DEPENDENTS)
             name, grid, block3, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
             args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
                          (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
@@ -1636,16 +1749,25 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                 args = (*args, np.int32(glog))
             _launch(_kernel(side.dev, op, dt, name), grid, block3, args)
         if not final:
-            dweight = _fold_dweight(side, op, dt, ws, wsv, groups, hidden, weight, kind)
+            dweight = _fold_dweight(side, op, dt, ws, wsv, groups, hidden, weight, kind,
+                                    chained=chained)
         del keep
         return (*(o for o, _ in outs), dweight)
 
 
+def _tree_follows(groups: int, weight_dtype_code: int) -> bool:
+    """Whether tree kernels follow a backward of ``groups`` dweight groups (not when its
+    one fp32 row is an fp32 weight's dweight)."""
+    return not (groups == 1 and weight_dtype_code == DT_F32)
+
+
 def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: Any,
-                  groups: int, hidden: int, weight: Any, kind: str) -> Any:
+                  groups: int, hidden: int, weight: Any, kind: str, *,
+                  chained: bool = False) -> Any:
     """dweight from the backward's ``groups`` fp32 workspace rows: tree levels of 16 rows
     while more than ``COL_TREE_LAST_MAX`` are left, then one launch for the rest and the
-    cast to the weight's dtype (none for one row of an fp32 weight)."""
+    cast to the weight's dtype (none for one row of an fp32 weight). ``chained``: each
+    launch a programmatic dependent one (the backward kernel had F_LET_DEPENDENTS)."""
     import numpy as np
 
     tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
@@ -1655,7 +1777,7 @@ def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: 
         out, outv = side.empty_f32((gout, hidden))
         _launch(tree, tgrid, (256, 1, 1),
                 (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
-                 np.int32(clog)))
+                 np.int32(clog)), chained=chained)
         ws, wsv, g = out, outv, gout
     wdt = _dtype_code(kind, weight)
     if g == 1 and wdt == DT_F32:  # one fp32 row already is an fp32 weight's dweight
@@ -1666,7 +1788,7 @@ def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: 
     last = _kernel(side.dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>")
     _launch(last, lgrid, (16, 16, 1),
             (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
-             np.int32(clog1), np.int32(slog)))
+             np.int32(clog1), np.int32(slog)), chained=chained)
     return dweight
 
 

@@ -420,6 +420,53 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     assert_bits(got, want[0], f"after the graph {params}")
     assert len(cb._gate_tables_filled) == 1 and len(picked) == 2
 
+CHAINED_CASES = [(VARIANTS[1], (4096, 2048), torch.bfloat16, torch.bfloat16),  # pipelined
+                 (VARIANTS[1], (64, 2048), torch.bfloat16, torch.float32),  # one-row kernel
+                 (VARIANTS[0], (1000, 100), torch.bfloat16, torch.float32),  # register kernels
+                 (VARIANTS[4], (1000, 2048), torch.float16, torch.float16),
+                 (VARIANTS[10], (8192, 128), torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("pdl", ["default", "0"])
+def test_tree_launches_chained_after_the_backward(pdl, monkeypatch, ext):
+    """On sm_90 and later the dweight tree's launches are programmatic dependent launches
+    through the driver's cuLaunchKernelEx (unless ``NORMSPEC_PDL=0``): the driver takes
+    them and every output and gradient is the spec's bits, torch tensors and CuPy arrays.
+    Inside a CUDA graph capture they are plain, and the replay gives the same bits."""
+    if pdl == "0":
+        monkeypatch.setenv("NORMSPEC_PDL", "0")
+    else:
+        monkeypatch.delenv("NORMSPEC_PDL", raising=False)
+    chained = []
+    real = cb._launch_chained
+
+    def spy(fn, grid, block, args, shared_mem):
+        chained.append(grid)
+        real(fn, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(cb, "_launch_chained", spy)
+    for seed, ((op, params), shape, dtype, wdtype) in enumerate(CHAINED_CASES):
+        check_torch(op, params, shape, dtype, wdtype, seed, ext=ext)
+        check_cupy(op, params, shape, dtype, wdtype, seed)
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    assert bool(chained) == (sm90 and pdl == "default"), len(chained)
+    # a capture: plain launches (cudaStreamBeginCapture's stream), the same bits
+    (op, params), shape, dtype, wdtype = CHAINED_CASES[0]
+    rows, weight, grads = make_case(op, params, shape, dtype, wdtype, 9, specials=True)
+    x, w, dy = rows["x"].cuda(), weight.cuda(), grads[0].cuda()
+    want = cb.rms_norm_backward(dy, x, w, eps=EPS, **params)  # also loads the kernels
+    torch.cuda.synchronize()
+    before = len(chained)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = cb.rms_norm_backward(dy, x, w, eps=EPS, **params)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(chained) == before
+    for name, g, e in zip(("dx", "dweight"), got, want, strict=True):
+        assert_bits(g, e.cpu(), f"{name} replayed from a capture")
+
+
 def test_pipelined_backward_occupancy():
     """The occupancy query the persistent grid depends on answers (a failure would fall
     back to one block per SM: the same bits, a slow launch)."""

@@ -9,10 +9,9 @@ pointers, strides, dtypes, conventions, rstd given or not, speed switches) both 
 the same launches: kernel (template arguments included), grid, block, dynamic shared
 memory and arguments (sizes, strides, eps, offset, flags, team and group sizes; pointers by
 what they point to: an input, null, or a buffer the call allocates), and both must read a
-16-bit weight as it is or both copy it to fp32. The launcher runs with ``NORMSPEC_PDL=0``:
-the CuPy backend makes the dweight tree's launches plain, not chained (CuPy's kernel launch
-takes no launch attributes), and a chained launch's only other mark is the backward
-kernel's F_LET_DEPENDENTS flag.
+16-bit weight as it is or both copy it to fp32, and both must chain the same launches
+(programmatic dependent launch: the dweight tree's, after a backward kernel given
+F_LET_DEPENDENTS), the recording stand-in being an sm_90 device outside any capture.
 
 Launches left out of the comparison are listed in ``KNOWN_GAPS`` with the reason; a call
 that makes one is held to the rest of its launches. On a GPU, one more test compares what
@@ -55,7 +54,7 @@ SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW", "NORMSPEC_
             "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE", "NORMSPEC_GATE_TABLE",
             "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM", "NORMSPEC_GT_HF_FORM",
             "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W", "NORMSPEC_GATED_BWD_PACKED_W",
-            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL")
+            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL", "NORMSPEC_PDL")
 
 #: the launcher's other variables, which the CuPy backend does not read: why
 NOT_MIRRORED = {
@@ -64,7 +63,6 @@ NOT_MIRRORED = {
     "NORMSPEC_ROW_BLOCK": "a tuning override (one-row forward's block) for sweeps",
     "NORMSPEC_BWD_GLOG": "a tuning override (dweight group rows) for sweeps",
     "NORMSPEC_TREE_LAST": "keeps the tree's older tail, to time it against the one launch",
-    "NORMSPEC_PDL": "chained launches, which this backend does not make",
 }
 
 #: launches left out of the comparison: why
@@ -197,7 +195,8 @@ def canonical(name: str) -> str:
     return f"{base}<{', '.join(args)}>"
 
 
-Launch = tuple[str, tuple[int, int, int], tuple[int, int, int], int, tuple[str, ...]]
+#: (kernel, grid, block, dynamic shared memory, arguments, chained)
+Launch = tuple[str, tuple[int, int, int], tuple[int, int, int], int, tuple[str, ...], bool]
 
 
 def _pad3(v) -> tuple[int, int, int]:
@@ -216,7 +215,7 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
         lines.append(_probe_line(c, t) + "\n")
         roles.append(_roles(t))
     done = subprocess.run([str(probe), "launch"], input="".join(lines), capture_output=True,
-                          text=True, env={**env, "NORMSPEC_PDL": "0"})
+                          text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     out: list[tuple[list[Launch], bool]] = []
     launches: list[Launch] = []
@@ -226,12 +225,13 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
         if kind == "L":
             gx, gy, gz, bx, by, bz, smem, chained, nargs, *more = rest.split(" ")
             args, name = more[:int(nargs)], canonical(" ".join(more[int(nargs):]))
-            assert chained == "0", line  # NORMSPEC_PDL=0
+            assert chained in ("0", "1"), line
             if name.partition("<")[0] in KNOWN_GAPS:
                 continue
             where = roles[len(out)]
             args = tuple(_pointer(int(a[1:], 16), where) if a[0] == "p" else a for a in args)
-            launches.append((name, _pad3((gx, gy, gz)), _pad3((bx, by, bz)), int(smem), args))
+            launches.append((name, _pad3((gx, gy, gz)), _pad3((bx, by, bz)), int(smem), args,
+                             chained == "1"))
         elif kind == "W":
             copied = True
         elif kind == "E":
@@ -246,7 +246,7 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
 def cupy_launches(call: Call, monkeypatch, env: dict[str, str]) -> tuple[list[Launch], bool]:
     """(launches, weight copied to fp32) of the call, by the CuPy backend's plumbing on
     CPU tensors (nothing runs), with the switches of ``env`` set."""
-    recorded = _record_launches(monkeypatch)  # clears some switches: set them after
+    recorded = _record_launches(monkeypatch, pdl=True)  # clears some switches: set them after
     for var in SWITCHES:
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
@@ -279,8 +279,8 @@ def cupy_launches(call: Call, monkeypatch, env: dict[str, str]) -> tuple[list[La
             return f"f{int(v.view(np.uint32)):08x}"
         return f"i{int(v)}"
 
-    launches = [(canonical(n), _pad3(g), _pad3(b), int(s), tuple(map(token, a)))
-                for n, g, b, a, s in recorded]
+    launches = [(canonical(n), _pad3(g), _pad3(b), int(s), tuple(map(token, a)), chained)
+                for (n, g, b, a, s), chained in zip(recorded, recorded.chained, strict=True)]
     return launches, bool(copies)
 
 

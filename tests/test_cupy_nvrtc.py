@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,17 +203,33 @@ class _CpuSide(cb._TorchSide):
         yield
 
 
-def _record_launches(monkeypatch) -> list:
+class Recorded(list):
+    """The recorded launches; ``chained[i]``: whether launch ``i`` was a chained one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chained: list[bool] = []
+
+
+def _record_launches(monkeypatch, *, pdl: bool = False) -> Recorded:
     """Runs the backend's launch plumbing on CPU tensors: every launch is recorded as
-    ``(kernel name, grid, block, args, shared memory)`` instead of run."""
-    launches = []
+    ``(kernel name, grid, block, args, shared memory)`` instead of run. ``pdl``: as on a
+    device whose kernels may be chained (sm_90, outside a capture; ``NORMSPEC_PDL`` then
+    decides), else as on one where they may not."""
+    launches = Recorded()
+
+    def launch(fn, grid, block, args, shared_mem=0, *, chained=False):
+        launches.append((fn, grid, block, args, shared_mem))
+        launches.chained.append(chained)
+
     monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
     monkeypatch.setattr(cb, "_sm_count", lambda cp, dev: 132)
     monkeypatch.setattr(cb, "_smem_optin", lambda cp, dev: 232448)
     monkeypatch.setattr(cb, "_prepare_pipe_kernel", lambda fn, key, block, smem, optin: 2)
     monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
-    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
-                        launches.append((fn, grid, block, args, shared_mem)))
+    monkeypatch.setattr(cb, "_launch", launch)
+    monkeypatch.setattr(cb, "_pdl_capable", lambda cp, dev: pdl)
+    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: False)
     for var in ("NORMSPEC_SAVED_RSTD", "NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW",
                 "NORMSPEC_DW_FINAL", "NORMSPEC_BWD_ROW", "NORMSPEC_GATED_BWD_PAIR",
                 "NORMSPEC_GATE_TABLE"):
@@ -300,6 +317,105 @@ def test_autograd_saves_rstd_and_the_backward_reads_it(wdtype, monkeypatch):
     cb._backward("torch", cb.OP_RMS, [y.detach()], [x.detach()], w.detach(), 1e-6,
                  {"offset": 1.0})
     assert launches[0][0].endswith("2, 7, false, -1>") and launches[0][3][-1] == 0
+
+
+#: (dtype, rows, hidden, weight dtype) -> (tree kernels that follow the backward kernel)
+CHAIN_CASES = {
+    (torch.bfloat16, 4096, 2048, torch.bfloat16): 2,  # pipelined: a level and the last
+    (torch.bfloat16, 64, 2048, torch.float32): 1,  # the one-row kernel, the last launch
+    (torch.bfloat16, 1000, 100, torch.float32): 2,  # the register kernels (rows off 16 B)
+    (torch.bfloat16, 1, 2048, torch.float32): 0,  # one fp32 row is dweight: no tree
+    (torch.bfloat16, 1, 2048, torch.bfloat16): 0,  # one group: the kernel stores dweight
+}
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=str)
+def test_tree_launches_are_chained_after_the_backward_kernel(case, monkeypatch):
+    """Where tree kernels follow, on a device that allows it (sm_90, outside a capture)
+    they are chained launches and the backward kernel is given F_LET_DEPENDENTS (its only
+    argument that differs); with ``NORMSPEC_PDL=0``, or a device that does not allow it,
+    every launch is plain and the flag is absent; no tree, no flag."""
+    dtype, rows, hidden, wdtype = case
+    x = torch.zeros(rows, hidden, dtype=dtype)
+    w = torch.zeros(hidden, dtype=wdtype)
+
+    def backward(pdl: bool, env: str | None = None) -> list:
+        with monkeypatch.context() as m:
+            launches = _record_launches(m, pdl=pdl)
+            if env is None:
+                m.delenv("NORMSPEC_PDL", raising=False)
+            else:
+                m.setenv("NORMSPEC_PDL", env)
+            cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+        known = {x.data_ptr(): "x", w.data_ptr(): "w", 0: "0"}
+        out = Recorded()  # buffers the call allocates: "new" (their addresses vary)
+        out.chained = launches.chained
+        out.extend((n, g, b, tuple(known.get(int(a), "new") if isinstance(a, np.uint64)
+                                   else a for a in args), sm)
+                   for n, g, b, args, sm in launches)
+        return out
+
+    chained, plain = backward(True), backward(False)
+    assert backward(True, "0") == plain and not any(plain.chained)
+    assert [n for n, *_ in chained] == [n for n, *_ in plain]
+    trees = CHAIN_CASES[case]
+    assert len(plain) == 1 + trees
+    assert chained.chained == [False] + [True] * trees
+    assert chained[1:] == plain[1:]
+    (_, grid, block, args, smem), (_, grid0, block0, args0, smem0) = chained[0], plain[0]
+    assert (grid, block, smem) == (grid0, block0, smem0)
+    differ = [(a, b) for a, b in zip(args, args0, strict=True) if a != b]
+    if trees:
+        assert differ == [(args0[i] | cb.F_LET_DEPENDENTS, args0[i])
+                          for i in range(len(args0)) if args[i] != args0[i]]
+        assert len(differ) == 1 and isinstance(differ[0][1], np.int32)
+        assert not int(differ[0][1]) & cb.F_LET_DEPENDENTS
+    else:
+        assert differ == []
+
+
+LAUNCH_LAYOUT_C = r"""
+#include <cuda.h>
+#include <stddef.h>
+#include <stdio.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu\n", sizeof(CUlaunchAttribute),
+         offsetof(CUlaunchAttribute, id), offsetof(CUlaunchAttribute, value),
+         offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed),
+         sizeof(((CUlaunchAttributeValue*)0)->programmaticStreamSerializationAllowed),
+         sizeof(CUlaunchAttributeID));
+  printf("%zu %zu %zu %zu %zu %zu %zu\n", sizeof(CUlaunchConfig),
+         offsetof(CUlaunchConfig, gridDimX), offsetof(CUlaunchConfig, blockDimX),
+         offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),
+         offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs));
+  printf("%d\n", (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+"""
+
+
+def test_chained_launch_structures_match_cuda_h(tmp_path):
+    """The ctypes mirrors of cuda.h's CUlaunchAttribute and CUlaunchConfig (the CuPy
+    backend's chained launches through cuLaunchKernelEx) have the header's sizes and
+    offsets, and the attribute id is the header's, as a C compiler sees them."""
+    import ctypes
+    import shutil
+
+    include, compiler = cb.cuda_include_dir(), shutil.which("cc")
+    if include is None or compiler is None or not (Path(include) / "cuda.h").exists():
+        pytest.skip("needs a C compiler and the CUDA toolkit's cuda.h")
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text(LAUNCH_LAYOUT_C)
+    subprocess.run([compiler, f"-I{include}", str(src), "-o", str(exe)], check=True)
+    attr_line, config_line, attr_id = subprocess.run(
+        [str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")[:3]
+    A, C = cb._CuLaunchAttribute, cb._CuLaunchConfig
+    assert [int(v) for v in attr_line.split()] == [
+        ctypes.sizeof(A), A.id.offset, A.value.offset, 0, 4, ctypes.sizeof(ctypes.c_int)]
+    assert [int(v) for v in config_line.split()] == [
+        ctypes.sizeof(C), C.grid.offset, C.block.offset, C.shared_mem_bytes.offset,
+        C.stream.offset, C.attrs.offset, C.num_attrs.offset]
+    assert int(attr_id) == cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @pytest.mark.parametrize("residual_sum,dtype,from_sum", [

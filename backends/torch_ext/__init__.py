@@ -62,7 +62,7 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_PDL=0``: dweight's tree launches wait for the kernel before them to end
   before they start, instead of starting early and waiting on the GPU (programmatic
   dependent launch, compute capability 9.0 and later, never inside a CUDA graph
-  capture; the torch extension only);
+  capture; the CuPy backend reads it too);
 * ``NORMSPEC_SAVED_RSTD=0``: the pipelined backward recomputes rstd even where the
   forward's is given;
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
