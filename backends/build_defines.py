@@ -3,7 +3,7 @@
 Both CUDA backends compile ``normspec/backends/csrc``: the torch extension with nvcc, the
 CuPy backend with NVRTC. The kernels' build-time experiments (``#ifndef NORMSPEC_...`` knobs
 in ``normspec_pipe.cuh``, such as ``NORMSPEC_ROW_WEIGHT_EARLY=0`` or
-``NORMSPEC_BWD_PIN_OCCUPANCY=1``) reach both through this one variable: space-separated
+``NORMSPEC_BWD_PIN_OCCUPANCY=0``) reach both through this one variable: space-separated
 ``NAME`` or ``NAME=VALUE`` entries. Each backend keys its build cache by them, so a build
 with definitions and the default one stay cached side by side.
 """

@@ -477,7 +477,7 @@ def test_the_gpu_runs_the_same_kernels_for_both_backends():
     profiler's record of what ran, through the extension's own host code), every op,
     dtype, weight dtype, a range of row lengths and counts, rstd given or not. Kernels
     whose two binaries differ in registers (nvcc against NVRTC) may differ in a persistent
-    grid (``_same_launches``); they are reported as a warning."""
+    grid (``_same_launches``); such grids are reported as a warning."""
     from normspec.backends import torch_ext as te
 
     if te.cuda_build_possible() is not None or cb.available() is not None:
@@ -494,10 +494,14 @@ def test_the_gpu_runs_the_same_kernels_for_both_backends():
                   if not _same_launches(w, g)]
     assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls ran differently:\n"
                             + "\n".join(mismatches[:12]))
-    registers = sorted({(w[0], w[4], g[4]) for ws, gs in zip(want, got, strict=True)
-                        for w, g in zip(ws, gs, strict=True) if w[4] != g[4]})
-    if registers:
+    pairs = [(w, g) for ws, gs in zip(want, got, strict=True)
+             for w, g in zip(ws, gs, strict=True)]
+    grids = sorted({(w[0], w[4], g[4], w[1], g[1]) for w, g in pairs if w[1] != g[1]})
+    if grids:
         import warnings
 
-        warnings.warn("kernels whose nvcc and NVRTC binaries differ in registers per thread "
-                      f"(name, torch_ext, cupy): {registers}", stacklevel=1)
+        registers = len({w[0] for w, g in pairs if w[4] != g[4]})
+        warnings.warn(f"{len(grids)} persistent grids differ where the kernel's nvcc and "
+                      "NVRTC binaries differ in registers per thread (name, registers "
+                      f"torch_ext / cupy, grids torch_ext / cupy): {grids}; {registers} "
+                      "kernels differ in registers in all", stacklevel=1)

@@ -131,9 +131,10 @@ shared memory, and ``NORMSPEC_FWD_ROW_PER_BLOCK=0`` has the one-row forward's wh
 teams take their row from the thread index instead of ``blockIdx.x`` (both the same
 bits; on an H200 with both, in ``bench/micro/small_backward_ab.cu`` after the 512 MiB
 flush, the rms forward of 1 x 2048 took 3.87 us against 3.68, 64 x 2048 4.19 against 3.84
-and 4096 x 2048 12.54 against 11.74). ``NORMSPEC_BWD_PIN_OCCUPANCY=1`` (untimed) caps two
-backward forms at 80 registers, which nvcc reaches by itself and NVRTC does not (the CuPy
-backend's binaries then hold one block per SM less; notes/perf.md §44). The CuPy backend
+and 4096 x 2048 12.54 against 11.74). ``NORMSPEC_BWD_PIN_OCCUPANCY=0`` lifts the cap of
+80 registers on two backward forms, which nvcc reaches by itself and NVRTC does not
+(without it the CuPy backend's binaries hold one block per SM less: on an H200 its fused
+32768 x 256 backward took 38.2 us against 35.2; notes/perf.md §45). The CuPy backend
 gives NVRTC the same definitions (``normspec.backends.build_defines``).
 
 The saved rstd. When autograd records a call (grad enabled and an input that
