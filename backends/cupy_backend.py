@@ -1708,9 +1708,7 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                 a = a._replace(flags=a.flags | F_DW_FINAL)
             else:
                 ws, wsv = side.empty_f32((groups, hidden))
-                chained = _tree_follows(groups, wdt) and chained_launches(cp, side.dev)
-            if chained:
-                a = a._replace(flags=a.flags | F_LET_DEPENDENTS)
+                a, chained = _chain_the_tree(a, groups, wdt, cp, side.dev)
             fn = _kernel(side.dev, op, dt, name)
             if pipe.kind != "row":  # the persistent kernels: their resident blocks per SM
                 per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
@@ -1739,9 +1737,7 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         else:
             glog, groups = backward_plan(dt, nrows, hidden, sms)
             ws, wsv = side.empty_f32((groups, hidden))
-            chained = _tree_follows(groups, wdt) and chained_launches(cp, side.dev)
-            if chained:
-                a = a._replace(flags=a.flags | F_LET_DEPENDENTS)
+            a, chained = _chain_the_tree(a, groups, wdt, cp, side.dev)
             name, grid, block3, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
             args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
                          (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
@@ -1759,6 +1755,16 @@ def _tree_follows(groups: int, weight_dtype_code: int) -> bool:
     """Whether tree kernels follow a backward of ``groups`` dweight groups (not when its
     one fp32 row is an fp32 weight's dweight)."""
     return not (groups == 1 and weight_dtype_code == DT_F32)
+
+
+def _chain_the_tree(a: _Args, groups: int, weight_dtype_code: int, cp: Any, dev: int
+                    ) -> tuple[_Args, bool]:
+    """``(a, chained)``: where tree kernels follow and ``chained_launches`` allows it, the
+    backward kernel's arguments with F_LET_DEPENDENTS and ``True`` (the tree's launches
+    are then chained after it); else ``a`` as it is and ``False``."""
+    if _tree_follows(groups, weight_dtype_code) and chained_launches(cp, dev):
+        return a._replace(flags=a.flags | F_LET_DEPENDENTS), True
+    return a, False
 
 
 def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: Any,
@@ -1780,7 +1786,7 @@ def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: 
                  np.int32(clog)), chained=chained)
         ws, wsv, g = out, outv, gout
     wdt = _dtype_code(kind, weight)
-    if g == 1 and wdt == DT_F32:  # one fp32 row already is an fp32 weight's dweight
+    if not _tree_follows(g, wdt):  # one fp32 row already is an fp32 weight's dweight
         return ws.reshape(hidden)
     # the last levels and the cast to the weight's dtype: one launch
     dweight, dwv = side.empty_rows(weight)
