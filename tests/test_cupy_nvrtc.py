@@ -418,6 +418,41 @@ def test_chained_launch_structures_match_cuda_h(tmp_path):
     assert int(attr_id) == cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def test_chained_launch_passes_what_it_was_given(monkeypatch):
+    """``_launch_chained`` hands the driver the grid and block (padded to three
+    dimensions), the shared memory, the current stream, one attribute (programmatic stream
+    serialization, allowed), the kernel handle and a pointer to each argument's value in
+    its C type; a failing status is raised as the driver's error."""
+    import ctypes
+
+    seen = []
+
+    def driver_call(config, function, params, extra):
+        c = config._obj
+        types = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float)
+        seen.append((tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.stream, c.num_attrs,
+                     c.attrs[0].id, c.attrs[0].value[0], function, extra,
+                     [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+                      for i, t in enumerate(types)]))
+        return status
+
+    stream = types.SimpleNamespace(ptr=0x5000)
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
+    args = (np.uint64(2**63 + 1), np.int64(-16), np.int32(-4), np.float32(1.5))
+    status = 0
+    cb._launch(fn, (7, 2), (16, 16, 1), args, 12, chained=True)
+    assert seen == [((7, 2, 1), (16, 16, 1), 12, 0x5000, 1,
+                     cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0x99, None,
+                     [2**63 + 1, -16, -4, 1.5])]
+    status = 1  # CUDA_ERROR_INVALID_VALUE: CuPy's CUDADriverError (a RuntimeError), or
+    # where no driver library can name it (CPU machines) a RuntimeError naming the status
+    with pytest.raises(RuntimeError, match=r"CUDA_ERROR_INVALID_VALUE|CUresult 1$"):
+        cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
+
+
 @pytest.mark.parametrize("residual_sum,dtype,from_sum", [
     ("rounded", torch.bfloat16, True), ("fp32", torch.float32, True),
     ("fp32", torch.bfloat16, False)])
