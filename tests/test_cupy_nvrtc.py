@@ -418,6 +418,29 @@ def test_chained_launch_structures_match_cuda_h(tmp_path):
     assert int(attr_id) == cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+@pytest.mark.parametrize("arch,driver,want", [("sm_90", True, True), ("sm_100", True, True),
+                                               ("compute_90", True, True),
+                                               ("sm_89", True, False), ("compute_80", True, False),
+                                               ("sm_90", False, False)])
+def test_chained_launches_need_sm90_code_and_the_driver_entry(arch, driver, want, monkeypatch):
+    """Chained launches only where the kernels were compiled for sm_90 or later (their
+    ``griddepcontrol.wait`` is real) and the driver has cuLaunchKernelEx; cached per
+    device; ``NORMSPEC_PDL=0`` and a capture say no whatever the device."""
+    monkeypatch.setattr(cb, "_pdl_devices", {})
+    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: arch)
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: (lambda *a: 0) if driver else None)
+    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: False)
+    monkeypatch.delenv("NORMSPEC_PDL", raising=False)
+    assert cb.chained_launches(None, 3) is want
+    assert cb._pdl_devices == {3: want}
+    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: pytest.fail("not cached"))
+    monkeypatch.setenv("NORMSPEC_PDL", "0")
+    assert cb.chained_launches(None, 3) is False
+    monkeypatch.delenv("NORMSPEC_PDL")
+    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: True)
+    assert cb.chained_launches(None, 3) is False
+
+
 def test_chained_launch_passes_what_it_was_given(monkeypatch):
     """``_launch_chained`` hands the driver the grid and block (padded to three
     dimensions), the shared memory, the current stream, one attribute (programmatic stream
