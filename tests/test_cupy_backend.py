@@ -420,6 +420,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     assert_bits(got, want[0], f"after the graph {params}")
     assert len(cb._gate_tables_filled) == 1 and len(picked) == 2
 
+
 CHAINED_CASES = [(VARIANTS[1], (4096, 2048), torch.bfloat16, torch.bfloat16),  # pipelined
                  (VARIANTS[1], (64, 2048), torch.bfloat16, torch.float32),  # one-row kernel
                  (VARIANTS[0], (1000, 100), torch.bfloat16, torch.float32),  # register kernels
