@@ -1454,6 +1454,8 @@ def _pdl_capable(cp: Any, dev: int) -> bool:
 
 
 def _current_stream_capturing(cp: Any) -> bool:
+    """Whether CuPy's current stream (torch's, inside ``_TorchSide.context``) is being
+    captured into a CUDA graph (``_capturing``)."""
     return _capturing(cp, cp.cuda.get_current_stream())
 
 
