@@ -842,17 +842,15 @@ class _Args(NamedTuple):
     flags: int = 0
 
 
-def _rows_aligned(ptr: int, stride: int, esize: int) -> bool:
-    return ptr == 0 or (ptr % 16 == 0 and (stride * esize) % 16 == 0)
-
-
 def with_alignment(a: _Args, esize: int) -> _Args:
     """Set ``F_ALIGNED`` when every row pointer allows 16-byte vector access
     (``set_alignment`` of normspec_launch_impl.cuh)."""
-    ok = (_rows_aligned(a.x, a.sx, esize) and _rows_aligned(a.r, a.sr, esize)
-          and _rows_aligned(a.dy, a.sdy, esize) and _rows_aligned(a.dres, a.sdres, esize)
-          and _rows_aligned(a.y, a.sy, esize) and _rows_aligned(a.y2, a.sy2, esize)
-          and (a.w == 0 or a.w % 16 == 0))
+    # one test of the pointers' and the present rows' strides' low bits together (each
+    # call runs it; the strides are not negative, ``_collapsible_stride``)
+    pointers = a.x | a.r | a.dy | a.dres | a.y | a.y2 | a.w
+    strides = ((a.sx if a.x else 0) | (a.sr if a.r else 0) | (a.sdy if a.dy else 0)
+               | (a.sdres if a.dres else 0) | (a.sy if a.y else 0) | (a.sy2 if a.y2 else 0))
+    ok = pointers % 16 == 0 and (strides * esize) % 16 == 0
     return a._replace(flags=a.flags | F_ALIGNED) if ok else a
 
 
@@ -1266,15 +1264,19 @@ class _TorchSide(_Side):
 
     @contextmanager
     def context(self) -> Iterator[None]:
-        cp = self.cp
-        with cp.cuda.Device(self.dev):
-            with cupy_stream_of(cp, torch.cuda.current_stream(self.device), self.dev):
-                yield
+        with self.cp.cuda.Device(self.dev), _torch_stream_for_cupy(self.cp, self.dev):
+            yield
 
     def raw(self, t: torch.Tensor) -> Any:
         """``t``'s bits as a torch view of the integer dtype of the same width: the
         kernels take pointers and strides, which torch gives without a CuPy view."""
         return t.detach().view(_RAW_TORCH[t.element_size()])
+
+    def rows(self, t: torch.Tensor) -> tuple[Any, int]:
+        """``(tensor read, row stride in elements)`` (``_row_view``): ``t`` itself where
+        its rows collapse into one stride, else a bitwise contiguous copy."""
+        rs = _collapsible_stride(t.shape, t.stride())
+        return (t, rs) if rs is not None else _row_view(self.cp, self.raw(t))
 
     def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(x.shape, dtype=x.dtype, device=self.device)
@@ -1303,6 +1305,10 @@ class _CupySide(_Side):
     def raw(self, a: Any) -> Any:
         return a.view(self.cp.uint32 if a.itemsize == 4 else self.cp.uint16)
 
+    def rows(self, a: Any) -> tuple[Any, int]:
+        """``(array read, row stride in elements)`` (``_row_view`` of its bits)."""
+        return _row_view(self.cp, self.raw(a))
+
     def empty_rows(self, x: Any) -> tuple[Any, Any]:
         out = self.cp.empty(x.shape, dtype=x.dtype)
         return out, self.raw(out)
@@ -1329,6 +1335,43 @@ def cupy_stream_of(cp: Any, stream: torch.cuda.Stream, dev: int) -> Any:
     if from_external is not None and hasattr(stream, "__cuda_stream__"):
         return from_external(stream)
     return cp.cuda.ExternalStream(stream.cuda_stream, dev)
+
+
+#: torch's current stream of a device as a raw handle, without building a torch Stream
+#: (``torch.cuda.current_stream`` took 5 of a CuPy call's 11 us in the stream's context on
+#: the H200); torch's own generated code calls it so. ``None`` where this torch lacks it.
+_torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+#: CuPy stream objects for torch's streams, by (device, handle): wrappers that own nothing
+_cupy_streams: dict[tuple[int, int], Any] = {}
+
+
+def _torch_stream_for_cupy(cp: Any, dev: int) -> Any:
+    """A CuPy stream object for torch's current stream on ``dev`` (kept per handle)."""
+    if _torch_raw_stream is None:  # pragma: no cover - a torch without the raw handle
+        return cupy_stream_of(cp, torch.cuda.current_stream(dev), dev)
+    handle = _torch_raw_stream(dev)
+    stream = _cupy_streams.get((dev, handle))
+    if stream is None:
+        if len(_cupy_streams) >= 256:
+            _cupy_streams.clear()
+        from_external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy 14+
+        stream = (from_external(_StreamHandle(handle)) if from_external is not None
+                  else cp.cuda.ExternalStream(handle, dev))
+        _cupy_streams[dev, handle] = stream
+    return stream
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle offered through the CUDA stream protocol (what CuPy 14's
+    ``Stream.from_external`` takes; its ``ExternalStream`` is deprecated)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
 
 
 def _side(kind: str, x: Any) -> _TorchSide | _CupySide:
@@ -1540,8 +1583,8 @@ def pipe_backward_enabled() -> bool:
 
 
 def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple:
-    return (*(np.uint64(p) for p in ptrs), *(np.int64(v) for v in longs),
-            np.float32(a.eps), np.float32(a.offset), np.int32(a.flags))
+    u64, i64, f32 = np.uint64, np.int64, np.float32
+    return (*map(u64, ptrs), *map(i64, longs), f32(a.eps), f32(a.offset), np.int32(a.flags))
 
 
 def _weight_as_is(weight: Any, x: Any, dt: int) -> Any | None:
@@ -1573,6 +1616,111 @@ def _with_weight(side: _TorchSide | _CupySide, a: _Args, weight: Any, dt: int,
     return with_alignment(a._replace(w=_ptr(w32), flags=a.flags & ~F_ALIGNED), esize)
 
 
+# ---- launch plans: what a call launches, decided once per shape ----------------------
+# A call's launches depend on its shape, dtypes, flags, alignment and the speed switches,
+# not on its pointers: the planners' answers are kept per such key (``_plans``), so that
+# a repeated shape costs the backend a dictionary lookup instead of its planners (most of
+# a small call's host time, notes/perf.md §46). The switches stay read at each call: their
+# values are part of the key.
+
+#: every environment variable the planners read (tests/test_cupy_nvrtc.py checks the list)
+PLAN_SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW",
+                 "NORMSPEC_SAVED_RSTD", "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE",
+                 "NORMSPEC_GATE_TABLE", "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM",
+                 "NORMSPEC_GT_HF_FORM", "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W",
+                 "NORMSPEC_GATED_BWD_PACKED_W", "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL",
+                 "NORMSPEC_ROW_BLOCK_SPREAD")
+#: the flags a plan depends on (the others only travel to the kernels)
+_PLAN_FLAGS = F_ALIGNED | F_HF | F_SIGMOID | F_W_IS_INPUT
+#: plans kept before the cache starts again (shapes that vary without end, as the tokens
+#: of prefills, must not grow it without bound)
+_PLANS_MAX = 4096
+_plans: dict[tuple, Any] = {}
+try:  # CPython's os.environ keeps the encoded environment in a dict: 16 reads in ~1 us
+    _SWITCH_KEYS = tuple(map(os.environ.encodekey, PLAN_SWITCHES))  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - another Python
+    _SWITCH_KEYS = ()
+
+
+def switch_values() -> tuple:
+    """The values of the ``PLAN_SWITCHES`` now (``None`` for an unset one; encoded where
+    the environment's own dictionary is read): part of every plan's key."""
+    data = getattr(os.environ, "_data", None)
+    if _SWITCH_KEYS and type(data) is dict:
+        return tuple(map(data.get, _SWITCH_KEYS))
+    return tuple(map(os.environ.get, PLAN_SWITCHES))  # pragma: no cover - another Python
+
+
+def clear_launch_plans() -> None:
+    """Forgets every kept plan (the tests do, before they stand in for the planners'
+    device queries)."""
+    _plans.clear()
+
+
+def _keep_plan(key: tuple, plan: Any) -> Any:
+    if len(_plans) >= _PLANS_MAX:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+class _FwdPlan(NamedTuple):
+    """A forward's launch: ``form`` ``"gt"`` (the one-row forward reading the global gate
+    table), ``"row"`` (the one-row forward), ``"pipe"`` (the persistent forward) or
+    ``"reg"`` (the register or streaming kernels, which read an fp32 weight)."""
+
+    form: str
+    fn: Any
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int = 0
+    team_log: int = 0
+    table: bool = False  # the persistent forward's per-block gate table (F_GATE_TABLE)
+
+
+def _forward_plan(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, flags: int,
+                  as_is: bool, gtab: bool, switches: tuple) -> _FwdPlan:
+    """The forward's launch (kept per key): `flags` the call's (F_ALIGNED: every row and
+    the weight it reads allow 16-byte vectors), `as_is` whether the weight may be read in
+    the input dtype, `gtab` whether the global gate table may be had (not in a capture
+    before its first fill), `switches` ``switch_values()``."""
+    key = ("fwd", dev, op, dt, rows, hidden, flags & _PLAN_FLAGS, as_is, gtab, switches)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if flags & F_ALIGNED:
+        # forward_t: the global gate table's forms, else the one-row forward where no
+        # gate table is wanted, else the persistent forward (its per-block table)
+        sm_count = _sm_count(cp, dev)
+        one_row = row_forward_enabled()
+        row = None
+        if one_row and gtab:
+            row = gated_row_table_launch(op, dt, rows, hidden, sm_count,
+                                         hf=bool(flags & F_HF),
+                                         w_is_input=bool(flags & F_W_IS_INPUT), w_raw=as_is)
+            if row is not None:
+                name, grid, block, team_log = row
+                return _keep_plan(key, _FwdPlan("gt", _kernel(dev, op, dt, name), grid, block,
+                                                team_log=team_log))
+        if one_row and not wants_gate_table(op, dt, rows, hidden):
+            row = row_forward_launch(op, dt, rows, hidden, sm_count)
+        if row is not None:
+            name, grid, block, team_log = row
+            return _keep_plan(key, _FwdPlan("row", _kernel(dev, op, dt, name), grid, block,
+                                            team_log=team_log))
+        optin = _smem_optin(cp, dev)
+        pipe = pipe_forward_launch(op, dt, rows, hidden, optin)
+        if pipe is not None:
+            fn = _kernel(dev, op, dt, pipe.name)
+            per_sm = _prepare_pipe_kernel(fn, (dev, op, dt, pipe.name, pipe.smem), pipe.block,
+                                          pipe.smem, optin)
+            grid = (persistent_grid(rows, pipe.team_log, per_sm, sm_count), 1, 1)
+            return _keep_plan(key, _FwdPlan("pipe", fn, grid, (pipe.block, 1, 1), pipe.smem,
+                                            pipe.team_log, pipe.table))
+    name, grid, block = forward_launch(op, dt, rows, hidden)
+    return _keep_plan(key, _FwdPlan("reg", _kernel(dev, op, dt, name), grid, block))
+
+
 def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
              params: Mapping[str, Any], *, keep_rstd: bool = False) -> tuple[Any, ...]:
     """The forward kernel on validated inputs; returns the outputs (input's kind) and,
@@ -1592,13 +1740,13 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
         import numpy as np
 
         dt = _dtype_code(kind, x)
-        xv, sx = _row_view(cp, side.raw(x))
+        xv, sx = side.rows(x)
         hidden = int(x.shape[-1])
         nrows = _numel(x) // hidden
         r, sr = (0, 0)
         keep = [xv]
         if op != OP_RMS:
-            rv, sr = _row_view(cp, side.raw(rows[1]))
+            rv, sr = side.rows(rows[1])
             keep.append(rv)
             r = _ptr(rv)
         a = _Args(x=_ptr(xv), r=r, y=_ptr(outs[0][1]),
@@ -1608,53 +1756,122 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)  # the rows' (the weight's below)
         as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
-        row, gtab, pipe = None, None, None
-        if a.flags & F_ALIGNED:
-            # forward_t: the global gate table's forms, else the one-row forward where no
-            # gate table is wanted, else the persistent forward (its per-block table)
-            sm_count = _sm_count(cp, side.dev)
-            one_row = row_forward_enabled()
-            if one_row:
-                row = gated_row_table_launch(op, dt, nrows, hidden, sm_count,
-                                             hf=bool(a.flags & F_HF),
-                                             w_is_input=bool(a.flags & F_W_IS_INPUT),
-                                             w_raw=as_is is not None)
-            if row is not None:
-                gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
-                if gtab is None:
-                    row = None
-            if row is None and one_row and not wants_gate_table(op, dt, nrows, hidden):
-                row = row_forward_launch(op, dt, nrows, hidden, sm_count)
-            if row is None:
-                optin = _smem_optin(cp, side.dev)
-                pipe = pipe_forward_launch(op, dt, nrows, hidden, optin)
+        switches = switch_values()
+        plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, as_is is not None,
+                             True, switches)
+        gtab = None
+        if plan.form == "gt":
+            gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
+            if gtab is None:  # a capture before the table's first fill
+                plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags,
+                                     as_is is not None, False, switches)
         # the one-row and persistent kernels read a 16-bit weight as it is; the register
         # kernels fp32
-        a = _with_weight(side, a, weight, dt,
-                         as_is if row is not None or pipe is not None else None, keep)
-        if not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes: the register kernels
-            row = pipe = None
+        a = _with_weight(side, a, weight, dt, as_is if plan.form != "reg" else None, keep)
+        if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
+            plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, False, False,
+                                 switches)
         rstd_ptr = np.uint64(_ptr(rstd[1]) if rstd is not None else 0)
-        if pipe is not None and pipe.table:
+        if plan.table:
             a = a._replace(flags=a.flags | F_GATE_TABLE)
         args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
-        if pipe is not None:
-            fn = _kernel(side.dev, op, dt, pipe.name)
-            per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, pipe.name, pipe.smem),
-                                          pipe.block, pipe.smem, optin)
-            _launch(fn, (persistent_grid(nrows, pipe.team_log, per_sm, sm_count), 1, 1),
-                    (pipe.block, 1, 1), (*args, np.int32(pipe.team_log), rstd_ptr), pipe.smem)
-        elif row is not None:
-            name, grid, block, team_log = row
+        if plan.form == "pipe":
+            _launch(plan.fn, plan.grid, plan.block, (*args, np.int32(plan.team_log), rstd_ptr),
+                    plan.smem)
+        elif plan.form == "reg":
+            _launch(plan.fn, plan.grid, plan.block, (*args, rstd_ptr))
+        else:
             # the one-row kernel also takes the team size (log2), then rstd_out and the
             # global gate table of the GT forms (else none)
-            _launch(_kernel(side.dev, op, dt, name), grid, block,
-                    (*args, np.int32(team_log), rstd_ptr, np.uint64(gtab or 0)))
-        else:
-            name, grid, block = forward_launch(op, dt, nrows, hidden)
-            _launch(_kernel(side.dev, op, dt, name), grid, block, (*args, rstd_ptr))
+            _launch(plan.fn, plan.grid, plan.block,
+                    (*args, np.int32(plan.team_log), rstd_ptr, np.uint64(gtab or 0)))
         del keep
         return results
+
+
+class _TreePlan(NamedTuple):
+    """dweight from a backward's fp32 workspace rows (``_fold_dweight``): the tree levels
+    of 16 rows ``(rows out, clog, grid)`` while more than ``COL_TREE_LAST_MAX`` are left,
+    then ``last``, the one launch for the rest and the cast to the weight's dtype
+    ``(kernel, clog1, slog, grid)``, ``None`` where one fp32 row is left of an fp32
+    weight (already its dweight)."""
+
+    tree_fn: Any
+    levels: tuple[tuple[int, int, tuple[int, int, int]], ...]
+    last: tuple[Any, int, int, tuple[int, int, int]] | None
+
+
+def _tree_plan(dev: int, op: int, dt: int, wdt: int, groups: int, hidden: int) -> _TreePlan:
+    levels = []
+    g = groups
+    while g > COL_TREE_LAST_MAX:
+        level = col_tree_launch(g, hidden)
+        levels.append(level)
+        g = level[0]
+    last = None
+    if _tree_follows(g, wdt):
+        clog1, slog, lgrid = col_tree_last_launch(g, hidden)
+        last = (_kernel(dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>"),
+                clog1, slog, lgrid)
+    tree_fn = _kernel(dev, op, dt, "normspec_col_tree_kernel") if levels else None
+    return _TreePlan(tree_fn, tuple(levels), last)
+
+
+class _BwdPlan(NamedTuple):
+    """A backward's launches: ``form`` ``"row"``, ``"pair"`` or ``"pipe"`` (the pipelined
+    family, ``BackwardLaunch.kind``) or ``"reg"`` (the register or streaming kernels);
+    ``final``: one group whose kernel stores dweight itself, else ``tree``."""
+
+    form: str
+    fn: Any
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    team_log: int
+    glog: int
+    groups: int
+    table: bool
+    takes_glog: bool  # the register kernels' glog argument
+    final: bool
+    tree: _TreePlan | None
+
+
+def _backward_plan(cp: Any, dev: int, op: int, dt: int, wdt: int, rows: int, hidden: int,
+                   flags: int, strides: tuple[int, ...], saved: bool, switches: tuple
+                   ) -> _BwdPlan:
+    """The backward's launches (kept per key): `flags` the call's (F_ALIGNED: every row
+    and the weight it reads allow 16-byte vectors), `strides` the rows' ``(sx, sr, sdy,
+    sdres, sy, sy2)``, `saved` whether the forward's rstd is read, `switches`
+    ``switch_values()``."""
+    key = ("bwd", dev, op, dt, wdt, rows, hidden, flags & _PLAN_FLAGS, strides, saved,
+           switches)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    sms = _sm_count(cp, dev)
+    pipe = None
+    if flags & F_ALIGNED and pipe_backward_enabled():
+        optin = _smem_optin(cp, dev)
+        pipe = pipe_backward_launch(op, dt, rows, hidden, sms, optin, strides, saved=saved,
+                                    hf=bool(flags & F_HF),
+                                    w_is_input=bool(flags & F_W_IS_INPUT))
+    if pipe is not None:
+        name, glog, groups, table, (block, smem, team_log) = pipe
+        fn = _kernel(dev, op, dt, name)
+        if pipe.kind == "row":  # a team per row: no persistent grid, no stacks
+            grid = (grid_for(rows, block >> team_log), 1, 1)
+        else:  # the persistent kernels: their resident blocks per SM
+            per_sm = _prepare_pipe_kernel(fn, (dev, op, dt, name, smem), block, smem, optin)
+            grid = (persistent_grid(groups, team_log, per_sm, sms), 1, 1)
+        final = groups == 1 and dt != DT_F32 and wdt == dt and dw_final_enabled()
+        tree = None if final else _tree_plan(dev, op, dt, wdt, groups, hidden)
+        return _keep_plan(key, _BwdPlan(pipe.kind, fn, grid, (block, 1, 1), smem, team_log,
+                                        glog, groups, table, False, final, tree))
+    glog, groups = backward_plan(dt, rows, hidden, sms)
+    name, grid, block3, takes_glog = backward_launch(op, dt, rows, hidden, groups)
+    return _keep_plan(key, _BwdPlan("reg", _kernel(dev, op, dt, name), grid, block3, 0, 0,
+                                    glog, groups, False, takes_glog, False,
+                                    _tree_plan(dev, op, dt, wdt, groups, hidden)))
 
 
 def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], weight: Any,
@@ -1679,16 +1896,16 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         esize = 4 if dt == DT_F32 else 2
         hidden = int(x.shape[-1])
         nrows = _numel(x) // hidden
-        xv, sx = _row_view(cp, side.raw(x))
-        dyv, sdy = _row_view(cp, side.raw(grads[0]))
+        xv, sx = side.rows(x)
+        dyv, sdy = side.rows(grads[0])
         keep = [xv, dyv]
         r = sr = dres = sdres = 0
         if op in (OP_FUSED, OP_GATED):
-            rv, sr = _row_view(cp, side.raw(rows[1]))
+            rv, sr = side.rows(rows[1])
             keep.append(rv)
             r = _ptr(rv)
         if op in (OP_FUSED, OP_FUSED_SUM):
-            drv, sdres = _row_view(cp, side.raw(grads[1]))
+            drv, sdres = side.rows(grads[1])
             keep.append(drv)
             dres = _ptr(drv)
         a = _Args(x=_ptr(xv), r=r, dy=_ptr(dyv), dres=dres, y=_ptr(outs[0][1]),
@@ -1697,70 +1914,50 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                   sy2=hidden if n_rowgrads == 2 else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, esize)  # the rows' (the weight's below)
-        sms = _sm_count(cp, side.dev)
-        optin = _smem_optin(cp, side.dev)
         reads_rstd = rstd is not None and saved_rstd_enabled()
         as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
-        pipe = (pipe_backward_launch(op, dt, nrows, hidden, sms, optin,
-                                     (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2),
-                                     saved=reads_rstd, hf=bool(a.flags & F_HF),
-                                     w_is_input=bool(a.flags & F_W_IS_INPUT))
-                if a.flags & F_ALIGNED and pipe_backward_enabled() else None)
-        # the pipelined family reads a 16-bit weight as it is; the register kernels fp32
-        a = _with_weight(side, a, weight, dt, as_is if pipe is not None else None, keep)
-        if not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes: the register kernels
-            pipe = None
         wdt = _dtype_code(kind, weight)
+        strides = (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2)
+        switches = switch_values()
+        plan = _backward_plan(cp, side.dev, op, dt, wdt, nrows, hidden, a.flags, strides,
+                              reads_rstd, switches)
+        # the pipelined family reads a 16-bit weight as it is; the register kernels fp32
+        a = _with_weight(side, a, weight, dt, as_is if plan.form != "reg" else None, keep)
+        if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
+            plan = _backward_plan(cp, side.dev, op, dt, wdt, nrows, hidden, a.flags, strides,
+                                  reads_rstd, switches)
         rstd_ptr = np.uint64(_ptr(rstd) if reads_rstd else 0)
-        final = (pipe is not None and pipe.groups == 1 and dt != DT_F32 and wdt == dt
-                 and dw_final_enabled())
         chained = False  # the dweight tree's launches chained after the backward kernel
-        if pipe is not None:
-            name, glog, groups, table, (block, smem, team_log) = pipe
-            if final:  # one group: the kernel stores dweight itself in the weight's dtype
-                dweight, wsv = side.empty_rows(weight)
-                a = a._replace(flags=a.flags | F_DW_FINAL)
-            else:
-                ws, wsv = side.empty_f32((groups, hidden))
-                a, chained = _chain_the_tree(a, groups, wdt, cp, side.dev)
-            fn = _kernel(side.dev, op, dt, name)
-            if pipe.kind != "row":  # the persistent kernels: their resident blocks per SM
-                per_sm = _prepare_pipe_kernel(fn, (side.dev, op, dt, name, smem), block, smem,
-                                              optin)
-            if pipe.kind == "row":  # a team per row: no persistent grid, no stacks
-                args = _pack(np, a, (a.x, a.w, a.dy, a.y, _ptr(wsv)),
-                             (a.rows, a.sx, a.sdy, a.sy))
-                _launch(fn, (grid_for(nrows, block >> team_log), 1, 1), (block, 1, 1),
-                        (*args, rstd_ptr))
-            elif pipe.kind == "pair":  # 32-bit rows and strides, the saved rstd, no eps
-                i32 = np.int32
-                _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1),
-                        (block, 1, 1),
-                        (*(np.uint64(p) for p in (a.x, a.r, a.w, a.dy, a.y, a.y2, _ptr(wsv))),
-                         *(i32(v) for v in (a.rows, a.sx, a.sr, a.sdy, a.sy, a.sy2)),
-                         np.float32(a.offset), i32(a.flags), i32(glog), i32(groups), rstd_ptr),
-                        smem)
-            else:  # the pipelined backward: persistent teams, dweight stacks in shared memory
-                if table:
-                    a = a._replace(flags=a.flags | F_GATE_TABLE)
-                args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
-                             (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
-                _launch(fn, (persistent_grid(groups, team_log, per_sm, sms), 1, 1),
-                        (block, 1, 1), (*args, np.int32(team_log), np.int32(glog), rstd_ptr),
-                        smem)
+        groups = plan.groups
+        if plan.final:  # one group: the kernel stores dweight itself in the weight's dtype
+            dweight, wsv = side.empty_rows(weight)
+            a = a._replace(flags=a.flags | F_DW_FINAL)
         else:
-            glog, groups = backward_plan(dt, nrows, hidden, sms)
             ws, wsv = side.empty_f32((groups, hidden))
             a, chained = _chain_the_tree(a, groups, wdt, cp, side.dev)
-            name, grid, block3, takes_glog = backward_launch(op, dt, nrows, hidden, groups)
+        if plan.form == "row":  # a team per row
+            args = _pack(np, a, (a.x, a.w, a.dy, a.y, _ptr(wsv)), (a.rows, a.sx, a.sdy, a.sy))
+            _launch(plan.fn, plan.grid, plan.block, (*args, rstd_ptr))
+        elif plan.form == "pair":  # 32-bit rows and strides, the saved rstd, no eps
+            i32 = np.int32
+            _launch(plan.fn, plan.grid, plan.block,
+                    (*(np.uint64(p) for p in (a.x, a.r, a.w, a.dy, a.y, a.y2, _ptr(wsv))),
+                     *(i32(v) for v in (a.rows, a.sx, a.sr, a.sdy, a.sy, a.sy2)),
+                     np.float32(a.offset), i32(a.flags), i32(plan.glog), i32(groups),
+                     rstd_ptr), plan.smem)
+        else:  # the pipelined backward (persistent teams, dweight stacks in shared
+            # memory) or the register kernels
+            if plan.table:
+                a = a._replace(flags=a.flags | F_GATE_TABLE)
             args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
                          (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
-            if takes_glog:
-                args = (*args, np.int32(glog))
-            _launch(_kernel(side.dev, op, dt, name), grid, block3, args)
-        if not final:
-            dweight = _fold_dweight(side, op, dt, ws, wsv, groups, hidden, weight, kind,
-                                    chained=chained)
+            if plan.form == "pipe":
+                args = (*args, np.int32(plan.team_log), np.int32(plan.glog), rstd_ptr)
+            elif plan.takes_glog:
+                args = (*args, np.int32(plan.glog))
+            _launch(plan.fn, plan.grid, plan.block, args, plan.smem)
+        if not plan.final:
+            dweight = _fold_dweight(side, plan.tree, ws, wsv, hidden, weight, chained=chained)
         del keep
         return (*(o for o, _ in outs), dweight)
 
@@ -1781,31 +1978,24 @@ def _chain_the_tree(a: _Args, groups: int, weight_dtype_code: int, cp: Any, dev:
     return a, False
 
 
-def _fold_dweight(side: _TorchSide | _CupySide, op: int, dt: int, ws: Any, wsv: Any,
-                  groups: int, hidden: int, weight: Any, kind: str, *,
-                  chained: bool = False) -> Any:
-    """dweight from the backward's ``groups`` fp32 workspace rows: tree levels of 16 rows
-    while more than ``COL_TREE_LAST_MAX`` are left, then one launch for the rest and the
-    cast to the weight's dtype (none for one row of an fp32 weight). ``chained``: each
-    launch a programmatic dependent one (the backward kernel had F_LET_DEPENDENTS)."""
+def _fold_dweight(side: _TorchSide | _CupySide, tree: _TreePlan, ws: Any, wsv: Any,
+                  hidden: int, weight: Any, *, chained: bool = False) -> Any:
+    """dweight from the backward's fp32 workspace rows ``ws`` (``wsv`` the view the
+    kernels read) by ``tree`` (``_tree_plan``). ``chained``: each launch a programmatic
+    dependent one (the backward kernel had F_LET_DEPENDENTS)."""
     import numpy as np
 
-    tree = _kernel(side.dev, op, dt, "normspec_col_tree_kernel")
-    g = groups
-    while g > COL_TREE_LAST_MAX:
-        gout, clog, tgrid = col_tree_launch(g, hidden)
+    g = ws.shape[0]
+    for gout, clog, tgrid in tree.levels:
         out, outv = side.empty_f32((gout, hidden))
-        _launch(tree, tgrid, (256, 1, 1),
+        _launch(tree.tree_fn, tgrid, (256, 1, 1),
                 (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
                  np.int32(clog)), chained=chained)
         ws, wsv, g = out, outv, gout
-    wdt = _dtype_code(kind, weight)
-    if not _tree_follows(g, wdt):  # one fp32 row already is an fp32 weight's dweight
+    if tree.last is None:  # one fp32 row already is an fp32 weight's dweight
         return ws.reshape(hidden)
-    # the last levels and the cast to the weight's dtype: one launch
     dweight, dwv = side.empty_rows(weight)
-    clog1, slog, lgrid = col_tree_last_launch(g, hidden)
-    last = _kernel(side.dev, op, dt, f"normspec_col_tree_last_kernel<{CUDA_TYPES[wdt]}>")
+    last, clog1, slog, lgrid = tree.last
     _launch(last, lgrid, (16, 16, 1),
             (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
              np.int32(clog1), np.int32(slog)), chained=chained)

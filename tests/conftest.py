@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ def pytest_configure(config):
         share = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_cupy_launch_plans():
+    """Each test starts with none of the CuPy backend's kept launch plans: a test that
+    stands in for its device queries or watches its planners must see them asked."""
+    backend = sys.modules.get("normspec.backends.cupy_backend")
+    if backend is not None:
+        backend.clear_launch_plans()
 
 
 @pytest.fixture(scope="session")

@@ -243,10 +243,14 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
     return out
 
 
-def cupy_launches(call: Call, monkeypatch, env: dict[str, str]) -> tuple[list[Launch], bool]:
+def cupy_launches(call: Call, monkeypatch, env: dict[str, str], plans: dict | None = None
+                  ) -> tuple[list[Launch], bool]:
     """(launches, weight copied to fp32) of the call, by the CuPy backend's plumbing on
-    CPU tensors (nothing runs), with the switches of ``env`` set."""
-    recorded = _record_launches(monkeypatch, pdl=True)  # clears some switches: set them after
+    CPU tensors (nothing runs), with the switches of ``env`` set; ``plans``: the backend's
+    kept launch plans meanwhile (shared by the calls of one check, so that a call whose
+    plan's key missed something it depends on takes another call's plan and fails)."""
+    recorded = _record_launches(monkeypatch, pdl=True, plans=plans)  # clears some switches:
+    # set them after
     for var in SWITCHES:
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
@@ -303,10 +307,10 @@ def _check(probe, calls: list[Call], monkeypatch, env_vars: dict[str, str]) -> i
     env = {k: v for k, v in os.environ.items() if not k.startswith("NORMSPEC_")}
     env.update(env_vars)
     expected = cpp_launches(probe, calls, env)
-    mismatches = []
+    mismatches, plans = [], {}
     for call, want in zip(calls, expected, strict=True):
         with monkeypatch.context() as m:
-            got = cupy_launches(call, m, env_vars)
+            got = cupy_launches(call, m, env_vars, plans)
         if got != want:
             mismatches.append(f"{call}\n  C++:  {want}\n  CuPy: {got}")
     assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls launch differently "

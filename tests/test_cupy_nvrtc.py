@@ -167,7 +167,8 @@ def test_torch_rows_enter_as_pointers():
     the integer view of their bits, and a bitwise contiguous copy only when the leading
     dims do not collapse. The rows the kernels address from (pointer, stride) hold the
     input's bits, NaN payloads included."""
-    side = object.__new__(cb._TorchSide)  # raw() needs no device
+    side = object.__new__(cb._TorchSide)  # raw() and rows() need no device
+    side.cp = None
     nan = torch.tensor([0x7FC1], dtype=torch.int16).view(torch.bfloat16)
     base = torch.randn(6, 4, 24).to(torch.bfloat16)
     base[0, 0, 0] = nan[0]
@@ -183,6 +184,10 @@ def test_torch_rows_enter_as_pointers():
         assert raw.dtype == torch.int16 and raw.data_ptr() == t.data_ptr(), name
         view, rs = cb._row_view(None, raw)
         assert (view.data_ptr() != t.data_ptr()) == copied, name
+        read, read_rs = side.rows(t)  # the backend's path: no integer view unless copied
+        assert read_rs == rs and (read is t) != copied, name
+        assert torch.equal(read.view(torch.int16), view) if copied else read.data_ptr() == (
+            view.data_ptr()), name
         assert cb._ptr(view) == view.data_ptr()
         hidden = t.shape[-1]
         rows = t.numel() // hidden
@@ -211,12 +216,16 @@ class Recorded(list):
         self.chained: list[bool] = []
 
 
-def _record_launches(monkeypatch, *, pdl: bool = False) -> Recorded:
+def _record_launches(monkeypatch, *, pdl: bool = False, plans: dict | None = None
+                     ) -> Recorded:
     """Runs the backend's launch plumbing on CPU tensors: every launch is recorded as
     ``(kernel name, grid, block, args, shared memory)`` instead of run. ``pdl``: as on a
     device whose kernels may be chained (sm_90, outside a capture; ``NORMSPEC_PDL`` then
-    decides), else as on one where they may not."""
+    decides), else as on one where they may not. ``plans``: the backend's kept launch
+    plans (``_plans``) meanwhile, a new empty one by default (the stand-ins below answer
+    for the device)."""
     launches = Recorded()
+    monkeypatch.setattr(cb, "_plans", {} if plans is None else plans)
 
     def launch(fn, grid, block, args, shared_mem=0, *, chained=False):
         launches.append((fn, grid, block, args, shared_mem))
@@ -1256,3 +1265,117 @@ def test_tree_tail_folds_like_the_spec(groups):
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+# ---- kept launch plans ---------------------------------------------------------------
+def _count_calls(monkeypatch, *names: str) -> list[str]:
+    """Counts the calls of the backend's planners ``names`` (each call appends its name)."""
+    asked: list[str] = []
+    for name in names:
+        real = getattr(cb, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            asked.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cb, name, spy)
+    return asked
+
+
+def test_a_repeated_call_reuses_its_plan_and_reads_the_switches(monkeypatch):
+    """The second call of a shape launches what the first did without asking the planners
+    again; a switch set between two calls takes effect at once (its value is part of the
+    plan's key), and unsetting it brings the first plan back."""
+    launches = _record_launches(monkeypatch)
+    monkeypatch.delenv("NORMSPEC_FWD_ROW", raising=False)
+    asked = _count_calls(monkeypatch, "row_forward_launch", "pipe_forward_launch",
+                         "pipe_backward_launch", "col_tree_last_launch")
+    x = torch.zeros(64, 2048, dtype=torch.bfloat16)
+    w = torch.zeros(2048, dtype=torch.bfloat16)
+
+    def forward() -> tuple:
+        cb._forward("torch", cb.OP_RMS, [x], w, 1e-6, {"offset": 1.0})
+        name, grid, block, args, smem = launches[-1]
+        return name, grid, block, len(args), smem
+
+    first = forward()
+    assert first[0].startswith("normspec_fwd_row_kernel<0, __nv_bfloat16")
+    assert asked == ["row_forward_launch"]
+    assert forward() == first and len(asked) == 1
+    monkeypatch.setenv("NORMSPEC_FWD_ROW", "0")
+    persistent = forward()
+    assert persistent[0].startswith("normspec_fwd_pipe_kernel<0, __nv_bfloat16")
+    assert asked == ["row_forward_launch", "pipe_forward_launch"]
+    monkeypatch.delenv("NORMSPEC_FWD_ROW")
+    assert forward() == first and len(asked) == 2
+    del launches[:]
+    for _ in range(2):  # the backward with its dweight tree: planned once
+        cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+    assert asked[2:] == ["pipe_backward_launch", "col_tree_last_launch"]
+    assert len(launches) == 4 and launches[:2] != [] and [
+        (n, g, b, s) for n, g, b, _, s in launches[:2]] == [
+        (n, g, b, s) for n, g, b, _, s in launches[2:]]
+
+
+def test_a_plan_is_kept_per_row_stride(monkeypatch):
+    """The backward's constant forms need their offsets to fit 32 bits
+    (``bwd_offsets_fit_32``), so rows of one shape but another stride may take another
+    form: the row strides are part of the backward plan's key."""
+    _record_launches(monkeypatch)
+    switches = cb.switch_values()
+    rows, hidden = 1 << 19, 2048
+
+    def plan(stride: int):
+        return cb._backward_plan(None, 0, cb.OP_RMS, cb.DT_BF16, cb.DT_BF16, rows, hidden,
+                                 cb.F_ALIGNED | cb.F_W_IS_INPUT, (stride, 0, stride, 0,
+                                                                  hidden, 0), True, switches)
+
+    dense, wide = plan(hidden), plan(4 * hidden)  # the wide rows end past 2**31 elements
+    assert dense.fn.split(", ")[3] == "7" and wide.fn.split(", ")[3] == "-1"  # team_log
+    assert plan(hidden) is dense and plan(4 * hidden) is wide
+
+
+def test_the_plan_switches_are_every_variable_the_planners_read(monkeypatch):
+    """``PLAN_SWITCHES`` (the environment in each plan's key) names every variable the
+    backend reads, but for ``NORMSPEC_PDL`` (read at each backward, outside the plans)
+    and the cache folder; ``switch_values`` sees a variable set or unset at once."""
+    source = Path(cb.__file__).read_text()
+    read = set(re.findall(r'(?:_switched_off\(|environ\.get\()"(NORMSPEC_[A-Z0-9_]+)"',
+                          source))
+    assert read - {"NORMSPEC_PDL", "NORMSPEC_CUPY_CACHE_DIR"} == set(cb.PLAN_SWITCHES)
+    for name in cb.PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+        unset = cb.switch_values()
+        monkeypatch.setenv(name, "0")
+        assert cb.switch_values() != unset
+        monkeypatch.delenv(name)
+        assert cb.switch_values() == unset
+
+
+def test_the_kept_plans_stay_bounded(monkeypatch):
+    """Shapes that vary without end (the tokens of prefills) do not grow the kept plans
+    past ``_PLANS_MAX``."""
+    launches = _record_launches(monkeypatch)
+    monkeypatch.setattr(cb, "_PLANS_MAX", 8)
+    w = torch.zeros(64)
+    for rows in range(1, 30):
+        cb._forward("torch", cb.OP_RMS, [torch.zeros(rows, 64)], w, 1e-6, {})
+        assert 1 <= len(cb._plans) <= 8
+    assert len(launches) == 29
+
+
+def test_torch_streams_reach_cupy_as_their_raw_handles(monkeypatch):
+    """Torch's current stream reaches CuPy as its raw handle through the CUDA stream
+    protocol (CuPy 14's ``Stream.from_external``), one CuPy stream object kept per device
+    and handle, without building a torch Stream."""
+    import cupy
+
+    handles = {0: 0x1000, 1: 0x2000}
+    monkeypatch.setattr(cb, "_torch_raw_stream", lambda dev: handles[dev])
+    monkeypatch.setattr(cb, "_cupy_streams", {})
+    first = cb._torch_stream_for_cupy(cupy, 0)
+    assert first.ptr == 0x1000 and cb._torch_stream_for_cupy(cupy, 0) is first
+    other = cb._torch_stream_for_cupy(cupy, 1)
+    assert other.ptr == 0x2000 and other is not first
+    handles[0] = 0x3000  # another stream made current on device 0
+    assert cb._torch_stream_for_cupy(cupy, 0).ptr == 0x3000
