@@ -575,10 +575,12 @@ def test_repeated_calls_and_disk_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cb, "_modules", {})
     monkeypatch.setattr(cb, "_functions", {})
+    monkeypatch.setattr(cb, "_plans", {})  # (the kept launch plans hold their kernels)
     fresh = cb.rms_norm(x, w, eps=EPS)  # compiled into an empty cache
     assert any(tmp_path.glob("*.cubin")) or any(tmp_path.glob("*.ptx"))
     monkeypatch.setattr(cb, "_modules", {})
     monkeypatch.setattr(cb, "_functions", {})
+    monkeypatch.setattr(cb, "_plans", {})  # (the kept launch plans hold their kernels)
     loaded = cb.rms_norm(x, w, eps=EPS)  # loaded from the disk cache
     assert_bits(fresh, first, "fresh compile")
     assert_bits(loaded, first, "from the disk cache")
