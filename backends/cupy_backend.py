@@ -56,7 +56,9 @@ speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW
 ``NORMSPEC_PDL`` and the GT forms' (``gt_form``), read here at each call. A call's
 launches are planned once per shape, dtypes, flags, alignment, row strides and the
 switches' values (``_forward_plan``, ``_backward_plan``, kept in ``_plans``): a repeated
-shape costs a dictionary lookup instead of the planners.
+shape costs a dictionary lookup instead of the planners. ``NORMSPEC_CUPY_DRIVER_LAUNCH=1``
+(an experiment, read at each launch) sends the plain launches through the driver too,
+their arguments packed as the chained launches' (``driver_launches``).
 ``NORMSPEC_BUILD_DEFINES`` gives NVRTC the extension's build-time definitions
 (``normspec.backends.build_defines``). On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
@@ -105,6 +107,7 @@ import ctypes
 import hashlib
 import json
 import os
+import struct
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -1432,11 +1435,25 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
 def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
             shared_mem: int = 0, *, chained: bool = False) -> None:
     """Launches ``fn`` on the current stream; ``chained``: as a programmatic dependent
-    launch (``_launch_chained``; the caller has asked ``chained_launches``)."""
+    launch (``_launch_chained``; the caller has asked ``chained_launches``). With
+    ``NORMSPEC_CUPY_DRIVER_LAUNCH=1`` (an experiment, read at each launch) every launch
+    goes through the driver as the chained ones do (``_launch_driver``), where it can."""
     if chained:
         _launch_chained(fn, grid, block, args, shared_mem)
+    elif driver_launches():
+        _launch_driver(fn, grid, block, args, shared_mem, None, 0)
     else:
         fn(grid, block, args, shared_mem=shared_mem)  # RawKernel's own default is 0
+
+
+def driver_launches() -> bool:
+    """Whether plain launches go through the driver's ``cuLaunchKernelEx`` with packed
+    arguments instead of CuPy's ``RawKernel`` (``NORMSPEC_CUPY_DRIVER_LAUNCH=1`` and a
+    driver that has it). On the H200 a probe of such a launch (cuLaunchKernel, packed
+    arguments) took 7.7 us of host time against RawKernel's 12.5 us for a forward's 17
+    arguments (notes/perf.md §46)."""
+    return (os.environ.get("NORMSPEC_CUPY_DRIVER_LAUNCH") == "1"
+            and _cu_launch_kernel_ex() is not None)
 
 
 # ---- chained launches: programmatic dependent launch through the driver API ----------
@@ -1459,10 +1476,12 @@ class _CuLaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_CuLaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-#: a kernel argument's ctypes type by its NumPy scalar type's name (``type(a).__name__``:
-#: a NumPy scalar's ``dtype.name`` costs about 5 us a read, this a fraction of one)
-_CTYPES_OF = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "int32": ctypes.c_int32,
-              "float32": ctypes.c_float}
+#: a kernel argument's ``struct`` code by its NumPy scalar type's name, each value in an
+#: 8-byte slot of one buffer: the driver reads each parameter through its own pointer, an
+#: int32 or float32 from its slot's first four bytes (little-endian)
+_SLOT_CODES = {"uint64": "Q", "int64": "q", "int32": "i4x", "float32": "f4x"}
+#: this thread's argument buffers: (packer, buffer, the pointers into it) by argument types
+_arg_layouts = threading.local()
 _cu_launch_kernel_ex_fn: list[Any] = []  # [] until looked up, then [function or None]
 #: the one launch attribute of every chained launch (built once; launches point at it)
 _CHAINED_ATTRS = (_CuLaunchAttribute * 1)()
@@ -1521,17 +1540,41 @@ def _launch_chained(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args
     ``griddepcontrol.launch_dependents``); they wait for it in ``griddepcontrol.wait``.
     ``args``: NumPy scalars (``np.uint64`` pointers, ``np.int64``, ``np.int32``,
     ``np.float32``)."""
+    _launch_driver(fn, grid, block, args, shared_mem, _CHAINED_ATTRS, 1)
+
+
+def _launch_driver(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+                   shared_mem: int, attrs: Any, num_attrs: int) -> None:
+    """``fn`` on the current stream through the driver's ``cuLaunchKernelEx`` with
+    ``num_attrs`` launch attributes ``attrs``; ``args`` packed by ``_packed_params``."""
     launch = _cu_launch_kernel_ex()
     if launch is None:  # chained_launches said no; a caller that did not ask
-        raise RuntimeError("a chained launch needs the driver's cuLaunchKernelEx")
+        raise RuntimeError("a driver launch needs the driver's cuLaunchKernelEx")
     # (host time matters here: the CuPy backend's calls are host-bound)
-    values = [_CTYPES_OF[type(a).__name__](a) for a in args]
-    params = (ctypes.c_void_p * max(len(values), 1))(*map(ctypes.addressof, values))
     config = _CuLaunchConfig(_pad_dims(grid), _pad_dims(block), shared_mem,
-                             _cupy().cuda.get_current_stream().ptr or None, _CHAINED_ATTRS, 1)
-    status = launch(ctypes.byref(config), fn.kernel.ptr, params, None)
+                             _cupy().cuda.get_current_stream().ptr or None, attrs, num_attrs)
+    status = launch(ctypes.byref(config), fn.kernel.ptr, _packed_params(args), None)
     if status != 0:
-        raise _driver_error(status, "cuLaunchKernelEx (a chained launch)")
+        raise _driver_error(status, "cuLaunchKernelEx")
+
+
+def _packed_params(args: tuple) -> Any:
+    """The driver's ``kernelParams`` for ``args`` (NumPy scalars: ``np.uint64`` pointers,
+    ``np.int64``, ``np.int32``, ``np.float32``): their values packed into this thread's
+    buffer for their types, whose parameter pointers are built once with it (the driver
+    copies the values at the launch)."""
+    kinds = tuple(map(type, args))
+    layouts = _arg_layouts.__dict__
+    layout = layouts.get(kinds)
+    if layout is None:
+        packer = struct.Struct("<" + "".join(_SLOT_CODES[k.__name__] for k in kinds))
+        buffer = ctypes.create_string_buffer(max(packer.size, 8))
+        base = ctypes.addressof(buffer)
+        params = (ctypes.c_void_p * max(len(kinds), 1))(*range(base, base + 8 * len(kinds), 8))
+        layout = layouts[kinds] = (packer, buffer, params)
+    packer, buffer, params = layout
+    packer.pack_into(buffer, 0, *args)
+    return params
 
 
 def _driver_error(status: int, what: str) -> RuntimeError:

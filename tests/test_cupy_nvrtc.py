@@ -485,6 +485,64 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
         cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
 
 
+@pytest.mark.parametrize("switch", ["default", "1"])
+def test_plain_launches_through_the_driver_with_the_switch(switch, monkeypatch):
+    """Plain launches call CuPy's RawKernel, or with ``NORMSPEC_CUPY_DRIVER_LAUNCH=1``
+    the driver's ``cuLaunchKernelEx`` without launch attributes, the arguments packed
+    as the chained launches' (each value read back through its parameter pointer)."""
+    import ctypes
+
+    seen, raw = [], []
+
+    def driver_call(config, function, params, extra):
+        c = config._obj
+        types_ = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float,
+                  ctypes.c_uint64)
+        seen.append((tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.num_attrs,
+                     function, [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+                                for i, t in enumerate(types_)]))
+        return 0
+
+    stream = types.SimpleNamespace(ptr=0x5000)
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
+    if switch == "1":
+        monkeypatch.setenv("NORMSPEC_CUPY_DRIVER_LAUNCH", "1")
+    else:
+        monkeypatch.delenv("NORMSPEC_CUPY_DRIVER_LAUNCH", raising=False)
+
+    class Kernel:  # RawKernel's call, recorded
+        kernel = types.SimpleNamespace(ptr=0x77)
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            raw.append((grid, block, args, shared_mem))
+
+    args = (np.uint64(0x1000), np.int64(-3), np.int32(7), np.float32(0.1), np.uint64(0))
+    for _ in range(2):  # the second launch reuses the packed layout
+        cb._launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
+    if switch == "1":
+        assert not raw and seen == [((3, 1, 1), (256, 1, 1), 64, 0, 0x77,
+                                     [0x1000, -3, 7, float(np.float32(0.1)), 0])] * 2
+    else:
+        assert not seen and raw == [((3, 1, 1), (256, 1, 1), args, 64)] * 2
+
+
+def test_packed_arguments_are_per_thread():
+    """Each thread packs into buffers of its own (the autograd engine's device thread runs
+    backward launches while the caller's thread may launch forwards)."""
+    import threading
+
+    args = (np.uint64(1), np.int32(2))
+    here = cb._packed_params(args)
+    there = []
+    worker = threading.Thread(target=lambda: there.append(cb._packed_params(args)))
+    worker.start()
+    worker.join()
+    assert cb._packed_params(args) is here and there[0] is not here
+    assert there[0][0] != here[0]  # different buffers
+
+
 @pytest.mark.parametrize("residual_sum,dtype,from_sum", [
     ("rounded", torch.bfloat16, True), ("fp32", torch.float32, True),
     ("fp32", torch.bfloat16, False)])
@@ -1337,12 +1395,14 @@ def test_a_plan_is_kept_per_row_stride(monkeypatch):
 
 def test_the_plan_switches_are_every_variable_the_planners_read(monkeypatch):
     """``PLAN_SWITCHES`` (the environment in each plan's key) names every variable the
-    backend reads, but for ``NORMSPEC_PDL`` (read at each backward, outside the plans)
-    and the cache folder; ``switch_values`` sees a variable set or unset at once."""
+    backend reads, but for ``NORMSPEC_PDL`` (read at each backward, outside the plans),
+    ``NORMSPEC_CUPY_DRIVER_LAUNCH`` (read at each launch) and the cache folder;
+    ``switch_values`` sees a variable set or unset at once."""
     source = Path(cb.__file__).read_text()
     read = set(re.findall(r'(?:_switched_off\(|environ\.get\()"(NORMSPEC_[A-Z0-9_]+)"',
                           source))
-    assert read - {"NORMSPEC_PDL", "NORMSPEC_CUPY_CACHE_DIR"} == set(cb.PLAN_SWITCHES)
+    outside = {"NORMSPEC_PDL", "NORMSPEC_CUPY_DRIVER_LAUNCH", "NORMSPEC_CUPY_CACHE_DIR"}
+    assert outside <= read and read - outside == set(cb.PLAN_SWITCHES)
     for name in cb.PLAN_SWITCHES:
         monkeypatch.delenv(name, raising=False)
         unset = cb.switch_values()
