@@ -64,12 +64,14 @@ their arguments packed as the chained launches' (``driver_launches``).
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 The extension's forms above took the bench's GPU times to the extension's own, within
-2.1 % on every large shape (b61bd41, ``bench/results/NVIDIA_H200.json``): backward rms
-32768 x 2048 143.5 -> 122.1 us, fused add 227.8 -> 150.7, gated 2**21 x 128 1222 -> 708
-(hf) and 1020 -> 705 (vllm); forward 71.6 -> 66.6 at rms 32768 x 2048 (no fp32 weight
-copy). Per call, the host side (in that bench 126-196 us a forward, 430-780 us a backward
-through autograd) outweighs the kernels but at the largest sizes;
-``scripts/cupy_host_profile.py`` shows where it goes.
+2.1 % on every large shape at b61bd41 (0.6 % at 11ed868,
+``bench/results/NVIDIA_H200.json``): backward rms 32768 x 2048 143.5 -> 122.1 us, fused
+add 227.8 -> 150.7, gated 2**21 x 128 1222 -> 708 (hf) and 1020 -> 705 (vllm); forward
+71.6 -> 66.6 at rms 32768 x 2048 (no fp32 weight
+copy). Per call, the host side outweighs the kernels but at the largest sizes: in the bench
+at 11ed868 a call at the small and mid shapes (1 to 4096 rows) took 52-107 us a forward and
+227-471 us a backward through autograd, against torch.compile's 31-55 and 139-249 us in the
+same run; ``scripts/cupy_host_profile.py`` shows where it goes.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
