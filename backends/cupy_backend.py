@@ -56,9 +56,10 @@ speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW
 ``NORMSPEC_PDL`` and the GT forms' (``gt_form``), read here at each call. A call's
 launches are planned once per shape, dtypes, flags, alignment, row strides and the
 switches' values (``_forward_plan``, ``_backward_plan``, kept in ``_plans``): a repeated
-shape costs a dictionary lookup instead of the planners. ``NORMSPEC_CUPY_DRIVER_LAUNCH=1``
-(an experiment, read at each launch) sends the plain launches through the driver too,
-their arguments packed as the chained launches' (``driver_launches``).
+shape costs a dictionary lookup instead of the planners. Every launch goes through the
+driver's ``cuLaunchKernelEx`` (``_launch``), its arguments packed into one buffer and its
+launch configuration kept; CuPy's ``RawKernel`` launches only where a driver before CUDA
+12.0 lacks it.
 ``NORMSPEC_BUILD_DEFINES`` gives NVRTC the extension's build-time definitions
 (``normspec.backends.build_defines``). On an
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
@@ -108,6 +109,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -228,8 +230,23 @@ _NPS = (1, 2, 4)
 # them with the C++ functions compiled on the host.
 def _switched_off(name: str) -> bool:
     """Whether environment variable ``name`` is exactly ``"0"`` (``switched_off`` of the
-    launcher: the speed switches that keep an older path for timing; read at each call)."""
-    return os.environ.get(name) == "0"
+    launcher: the speed switches that keep an older path for timing; read at each call,
+    from the dictionary where CPython's ``os.environ`` keeps the encoded environment:
+    0.05 us against ``os.environ.get``'s 0.75 on the CPU machine)."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is not dict or _ENCODED_ZERO is None:  # pragma: no cover - another Python
+        return os.environ.get(name) == "0"
+    key = _encoded_names.get(name)
+    if key is None:
+        key = _encoded_names[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+    return data.get(key) == _ENCODED_ZERO
+
+
+_encoded_names: dict[str, Any] = {}
+try:
+    _ENCODED_ZERO = os.environ.encodevalue("0")  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - another Python
+    _ENCODED_ZERO = None
 
 
 def next_pow2(n: int) -> int:
@@ -859,7 +876,15 @@ def with_alignment(a: _Args, esize: int) -> _Args:
     strides = ((a.sx if a.x else 0) | (a.sr if a.r else 0) | (a.sdy if a.dy else 0)
                | (a.sdres if a.dres else 0) | (a.sy if a.y else 0) | (a.sy2 if a.y2 else 0))
     ok = pointers % 16 == 0 and (strides * esize) % 16 == 0
-    return a._replace(flags=a.flags | F_ALIGNED) if ok else a
+    return _with_flags(a, a.flags | F_ALIGNED) if ok else a
+
+
+_new_tuple = tuple.__new__
+
+
+def _with_flags(a: _Args, flags: int) -> _Args:
+    """``a`` with ``flags`` (its last field), in a third of ``_replace``'s time."""
+    return _new_tuple(_Args, (*a[:-1], flags))
 
 
 def _collapsible_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
@@ -1080,8 +1105,6 @@ def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
     before the first fill (the caller then runs the persistent forward, whose blocks build
     the table in shared memory). The first call per
     device and activation fills it on the current stream and waits for it."""
-    import numpy as np
-
     half = _GATE_TABLE_SLOTS * 4 if sig else 0  # bytes: the sigmoid's table comes second
     if (dev, sig) in _gate_tables_filled:
         return int(_gate_tables[dev].data.ptr) + half
@@ -1094,7 +1117,7 @@ def _global_gate_table(cp: Any, dev: int, sig: bool) -> int | None:
             tab = _gate_tables[dev] = cp.empty(2 * _GATE_TABLE_SLOTS, dtype=cp.float32)
     ptr = int(tab.data.ptr) + half
     _launch(_kernel(dev, OP_GATED, DT_BF16, FILL_GATE_TABLE_KERNEL),
-            (_GATE_TABLE_SLOTS // 256, 1, 1), (256, 1, 1), (np.uint64(ptr), np.int32(sig)))
+            (_GATE_TABLE_SLOTS // 256, 1, 1), (256, 1, 1), KernelArgs("Qi", (ptr, int(sig))))
     stream.synchronize()
     _gate_tables_filled.add((dev, sig))
     return ptr
@@ -1265,10 +1288,9 @@ class _Side:
 
 
 class _TorchSide(_Side):
-    def __init__(self, cp: Any, x: torch.Tensor) -> None:
-        super().__init__(cp, x.device.index if x.device.index is not None
-                         else torch.cuda.current_device())
-        self.device = torch.device("cuda", self.dev)
+    def __init__(self, cp: Any, dev: int) -> None:
+        super().__init__(cp, dev)
+        self.device = torch.device("cuda", dev)
 
     @contextmanager
     def context(self) -> Iterator[None]:
@@ -1287,7 +1309,9 @@ class _TorchSide(_Side):
         return (t, rs) if rs is not None else _row_view(self.cp, self.raw(t))
 
     def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+        # (empty_like: 1.0 us against torch.empty's 2.7 with x's shape and dtype on the
+        # CPU machine)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         return out, out
 
     def empty_f32(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1302,9 +1326,6 @@ class _TorchSide(_Side):
 
 
 class _CupySide(_Side):
-    def __init__(self, cp: Any, x: Any) -> None:
-        super().__init__(cp, x.device.id)
-
     @contextmanager
     def context(self) -> Iterator[None]:
         with self.cp.cuda.Device(self.dev):
@@ -1383,8 +1404,17 @@ class _StreamHandle:
 
 
 def _side(kind: str, x: Any) -> _TorchSide | _CupySide:
+    """The side of ``x``'s kind and device (kept: building one took 1.3 us of a call's
+    host time on the H200)."""
     cp = _cupy()
-    return _TorchSide(cp, x) if kind == "torch" else _CupySide(cp, x)
+    dev = x.get_device() if kind == "torch" else x.device.id
+    side = _sides.get((kind, dev))
+    if side is None or side.cp is not cp:  # (the tests stand in for CuPy)
+        side = _sides[kind, dev] = (_TorchSide if kind == "torch" else _CupySide)(cp, dev)
+    return side
+
+
+_sides: dict[tuple[str, int], _TorchSide | _CupySide] = {}
 
 
 def _dtype_code(kind: str, x: Any) -> int:
@@ -1434,28 +1464,46 @@ def _base_flags(op: int, x: Any, weight: Any, offset: float, params: Mapping[str
     return flags
 
 
-def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+class KernelArgs(NamedTuple):
+    """A launch's kernel arguments: ``codes``, one letter for each (``Q`` a pointer or
+    other uint64, ``q`` int64, ``i`` int32, ``f`` float32, as ``struct`` spells them),
+    and ``values``, Python numbers (a float32's already rounded where it overflows,
+    ``_f32_arg``). The driver launch packs the values by the codes into one buffer
+    (``_packed_params``); NumPy scalars for each argument took 4.2 us of a forward's
+    host time on the H200 (notes/perf.md §46)."""
+
+    codes: str
+    values: tuple
+
+    def numpy(self) -> tuple:
+        """The arguments as NumPy scalars of their C types (what CuPy's ``RawKernel``
+        takes)."""
+        import numpy as np
+
+        types = {"Q": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
+        return tuple(types[c](v) for c, v in zip(self.codes, self.values, strict=True))
+
+
+#: the codes of ``_pack``'s arguments: the forward's five pointers and six longs, the
+#: backward's eight and eight
+_FWD_CODES = "QQQQQ" "qqqqqq" "ffi"
+_BWD_CODES = "QQQQQQQQ" "qqqqqqqq" "ffi"
+
+
+def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: KernelArgs,
             shared_mem: int = 0, *, chained: bool = False) -> None:
-    """Launches ``fn`` on the current stream; ``chained``: as a programmatic dependent
-    launch (``_launch_chained``; the caller has asked ``chained_launches``). With
-    ``NORMSPEC_CUPY_DRIVER_LAUNCH=1`` (an experiment, read at each launch) every launch
-    goes through the driver as the chained ones do (``_launch_driver``), where it can."""
+    """Launches ``fn`` on the current stream through the driver's ``cuLaunchKernelEx``
+    (``_launch_driver``); ``chained``: as a programmatic dependent launch
+    (``_launch_chained``; the caller has asked ``chained_launches``). Where the driver
+    lacks ``cuLaunchKernelEx`` (before CUDA 12.0), through CuPy's ``RawKernel``: on the
+    H200's host a forward's launch took 6.0 us through the driver with a kept launch
+    configuration against RawKernel's 9.4 (notes/perf.md §47)."""
     if chained:
         _launch_chained(fn, grid, block, args, shared_mem)
-    elif driver_launches():
+    elif _cu_launch_kernel_ex() is not None:
         _launch_driver(fn, grid, block, args, shared_mem, None, 0)
-    else:
-        fn(grid, block, args, shared_mem=shared_mem)  # RawKernel's own default is 0
-
-
-def driver_launches() -> bool:
-    """Whether plain launches go through the driver's ``cuLaunchKernelEx`` with packed
-    arguments instead of CuPy's ``RawKernel`` (``NORMSPEC_CUPY_DRIVER_LAUNCH=1`` and a
-    driver that has it). On the H200 a probe of such a launch (cuLaunchKernel, packed
-    arguments) took 7.7 us of host time against RawKernel's 12.5 us for a forward's 17
-    arguments (notes/perf.md §46)."""
-    return (os.environ.get("NORMSPEC_CUPY_DRIVER_LAUNCH") == "1"
-            and _cu_launch_kernel_ex() is not None)
+    else:  # RawKernel's own default is 0
+        fn(grid, block, args.numpy(), shared_mem=shared_mem)
 
 
 # ---- chained launches: programmatic dependent launch through the driver API ----------
@@ -1478,12 +1526,17 @@ class _CuLaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_CuLaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-#: a kernel argument's ``struct`` code by its NumPy scalar type's name, each value in an
-#: 8-byte slot of one buffer: the driver reads each parameter through its own pointer, an
-#: int32 or float32 from its slot's first four bytes (little-endian)
-_SLOT_CODES = {"uint64": "Q", "int64": "q", "int32": "i4x", "float32": "f4x"}
-#: this thread's argument buffers: (packer, buffer, the pointers into it) by argument types
+#: each argument code's ``struct`` format, each value in an 8-byte slot of one buffer: the
+#: driver reads each parameter through its own pointer, an int32 or float32 from its
+#: slot's first four bytes (little-endian)
+_SLOT_CODES = {"Q": "Q", "q": "q", "i": "i4x", "f": "f4x"}
+#: this thread's argument buffers: (packer, buffer, the pointers into it) by argument codes
 _arg_layouts = threading.local()
+#: this thread's launch configurations (pointers to them, which the driver reads) by
+#: (grid, block, shared memory, stream, number of attributes): building one took 2.6 us
+#: of a launch's host time on the H200 (notes/perf.md §47)
+_launch_configs = threading.local()
+_CONFIGS_MAX = 1024
 _cu_launch_kernel_ex_fn: list[Any] = []  # [] until looked up, then [function or None]
 #: the one launch attribute of every chained launch (built once; launches point at it)
 _CHAINED_ATTRS = (_CuLaunchAttribute * 1)()
@@ -1535,47 +1588,55 @@ def chained_launches(cp: Any, dev: int) -> bool:
             and not _current_stream_capturing(cp))
 
 
-def _launch_chained(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+def _launch_chained(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: KernelArgs,
                     shared_mem: int) -> None:
     """``fn`` on the current stream with programmatic stream serialization: its blocks may
     be scheduled while the kernel before it runs (which calls
-    ``griddepcontrol.launch_dependents``); they wait for it in ``griddepcontrol.wait``.
-    ``args``: NumPy scalars (``np.uint64`` pointers, ``np.int64``, ``np.int32``,
-    ``np.float32``)."""
+    ``griddepcontrol.launch_dependents``); they wait for it in ``griddepcontrol.wait``."""
     _launch_driver(fn, grid, block, args, shared_mem, _CHAINED_ATTRS, 1)
 
 
-def _launch_driver(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+def _launch_driver(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: KernelArgs,
                    shared_mem: int, attrs: Any, num_attrs: int) -> None:
     """``fn`` on the current stream through the driver's ``cuLaunchKernelEx`` with
-    ``num_attrs`` launch attributes ``attrs``; ``args`` packed by ``_packed_params``."""
+    ``num_attrs`` launch attributes ``attrs`` (``None`` and 0, or ``_CHAINED_ATTRS`` and
+    1: the kept configurations are told apart by the number); ``args`` packed by
+    ``_packed_params``. The driver call goes through ctypes' ``CDLL``, which lets other
+    Python threads run while it waits (a launch can wait for room in the launch queue);
+    ``PyDLL``, which holds the GIL, was 0.3 us faster on the H200 (notes/perf.md §47)."""
     launch = _cu_launch_kernel_ex()
     if launch is None:  # chained_launches said no; a caller that did not ask
         raise RuntimeError("a driver launch needs the driver's cuLaunchKernelEx")
     # (host time matters here: the CuPy backend's calls are host-bound)
-    config = _CuLaunchConfig(_pad_dims(grid), _pad_dims(block), shared_mem,
-                             _cupy().cuda.get_current_stream().ptr or None, attrs, num_attrs)
-    status = launch(ctypes.byref(config), fn.kernel.ptr, _packed_params(args), None)
+    stream = _cupy().cuda.get_current_stream().ptr
+    configs = _launch_configs.__dict__
+    key = (grid, block, shared_mem, stream, num_attrs)
+    config = configs.get(key)
+    if config is None:
+        if len(configs) >= _CONFIGS_MAX:
+            configs.clear()
+        config = configs[key] = ctypes.pointer(_CuLaunchConfig(
+            _pad_dims(grid), _pad_dims(block), shared_mem, stream or None, attrs, num_attrs))
+    status = launch(config, fn.kernel.ptr, _packed_params(args), None)
     if status != 0:
         raise _driver_error(status, "cuLaunchKernelEx")
 
 
-def _packed_params(args: tuple) -> Any:
-    """The driver's ``kernelParams`` for ``args`` (NumPy scalars: ``np.uint64`` pointers,
-    ``np.int64``, ``np.int32``, ``np.float32``): their values packed into this thread's
-    buffer for their types, whose parameter pointers are built once with it (the driver
+def _packed_params(args: KernelArgs) -> Any:
+    """The driver's ``kernelParams`` for ``args``: their values packed into this thread's
+    buffer for their codes, whose parameter pointers are built once with it (the driver
     copies the values at the launch)."""
-    kinds = tuple(map(type, args))
+    codes, values = args
     layouts = _arg_layouts.__dict__
-    layout = layouts.get(kinds)
+    layout = layouts.get(codes)
     if layout is None:
-        packer = struct.Struct("<" + "".join(_SLOT_CODES[k.__name__] for k in kinds))
+        packer = struct.Struct("<" + "".join(_SLOT_CODES[c] for c in codes))
         buffer = ctypes.create_string_buffer(max(packer.size, 8))
         base = ctypes.addressof(buffer)
-        params = (ctypes.c_void_p * max(len(kinds), 1))(*range(base, base + 8 * len(kinds), 8))
-        layout = layouts[kinds] = (packer, buffer, params)
+        params = (ctypes.c_void_p * max(len(codes), 1))(*range(base, base + 8 * len(codes), 8))
+        layout = layouts[codes] = (packer, buffer, params)
     packer, buffer, params = layout
-    packer.pack_into(buffer, 0, *args)
+    packer.pack_into(buffer, 0, *values)
     return params
 
 
@@ -1630,9 +1691,20 @@ def pipe_backward_enabled() -> bool:
     return not _switched_off("NORMSPEC_PIPE")
 
 
-def _pack(np: Any, a: _Args, ptrs: Sequence[int], longs: Sequence[int]) -> tuple:
-    u64, i64, f32 = np.uint64, np.int64, np.float32
-    return (*map(u64, ptrs), *map(i64, longs), f32(a.eps), f32(a.offset), np.int32(a.flags))
+def _f32_arg(v: float) -> float:
+    """``v`` as a float32 kernel argument will hold it: ``struct`` rounds as the C cast
+    does (NumPy's ``float32``) but refuses what rounds to infinity, which is given here
+    (from 2**128 - 2**103 up, the midpoint past the largest float32, rounded to even)."""
+    return v if -_F32_ROUNDS_TO_INF < v < _F32_ROUNDS_TO_INF else math.copysign(math.inf, v)
+
+
+_F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+
+
+def _pack(a: _Args, ptrs: tuple[int, ...], longs: tuple[int, ...]) -> tuple:
+    """The values of the arguments most kernels start with: pointers (``Q``), int64 rows
+    and strides (``q``), then eps, offset (``f``) and the flags (``i``)."""
+    return (*ptrs, *longs, _f32_arg(a.eps), _f32_arg(a.offset), a.flags)
 
 
 def _weight_as_is(weight: Any, x: Any, dt: int) -> Any | None:
@@ -1645,7 +1717,6 @@ def _weight_as_is(weight: Any, x: Any, dt: int) -> Any | None:
     if isinstance(weight, torch.Tensor):
         if not weight.is_contiguous():
             return None
-        weight = weight.detach()
     elif not weight.flags.c_contiguous:
         return None
     return weight if _ptr(weight) % 16 == 0 else None
@@ -1657,11 +1728,19 @@ def _with_weight(side: _TorchSide | _CupySide, a: _Args, weight: Any, dt: int,
     ``F_W_RAW``) or an fp32 copy, the alignment flag then set again for its pointer."""
     if as_is is not None:
         keep.append(as_is)
-        return a._replace(w=_ptr(as_is), flags=a.flags | F_W_RAW)
+        return _with_weight_ptr(a, _ptr(as_is), a.flags | F_W_RAW)
     w32 = side.weight_f32(weight, dt)
     keep.append(w32)
     esize = 4 if dt == DT_F32 else 2
-    return with_alignment(a._replace(w=_ptr(w32), flags=a.flags & ~F_ALIGNED), esize)
+    return with_alignment(_with_weight_ptr(a, _ptr(w32), a.flags & ~F_ALIGNED), esize)
+
+
+_W_FIELD = _Args._fields.index("w")
+
+
+def _with_weight_ptr(a: _Args, w: int, flags: int) -> _Args:
+    """``a`` with the weight pointer ``w`` and ``flags`` (``_with_flags``' way)."""
+    return _new_tuple(_Args, (*a[:_W_FIELD], w, *a[_W_FIELD + 1:-1], flags))
 
 
 # ---- launch plans: what a call launches, decided once per shape ----------------------
@@ -1785,8 +1864,6 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
         if _numel(x) == 0:
             return results
         cp = side.cp
-        import numpy as np
-
         dt = _dtype_code(kind, x)
         xv, sx = side.rows(x)
         hidden = int(x.shape[-1])
@@ -1819,20 +1896,20 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
         if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
             plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, False, False,
                                  switches)
-        rstd_ptr = np.uint64(_ptr(rstd[1]) if rstd is not None else 0)
+        rstd_ptr = _ptr(rstd[1]) if rstd is not None else 0
         if plan.table:
-            a = a._replace(flags=a.flags | F_GATE_TABLE)
-        args = _pack(np, a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
+            a = _with_flags(a, a.flags | F_GATE_TABLE)
+        args = _pack(a, (a.x, a.r, a.w, a.y, a.y2), (a.rows, a.H, a.sx, a.sr, a.sy, a.sy2))
         if plan.form == "pipe":
-            _launch(plan.fn, plan.grid, plan.block, (*args, np.int32(plan.team_log), rstd_ptr),
-                    plan.smem)
+            _launch(plan.fn, plan.grid, plan.block,
+                    KernelArgs(_FWD_CODES + "iQ", (*args, plan.team_log, rstd_ptr)), plan.smem)
         elif plan.form == "reg":
-            _launch(plan.fn, plan.grid, plan.block, (*args, rstd_ptr))
+            _launch(plan.fn, plan.grid, plan.block, KernelArgs(_FWD_CODES + "Q", (*args, rstd_ptr)))
         else:
             # the one-row kernel also takes the team size (log2), then rstd_out and the
             # global gate table of the GT forms (else none)
             _launch(plan.fn, plan.grid, plan.block,
-                    (*args, np.int32(plan.team_log), rstd_ptr, np.uint64(gtab or 0)))
+                    KernelArgs(_FWD_CODES + "iQQ", (*args, plan.team_log, rstd_ptr, gtab or 0)))
         del keep
         return results
 
@@ -1938,8 +2015,6 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         if _numel(x) == 0:
             return (*(o for o, _ in outs), side.zeros_like(weight))
         cp = side.cp
-        import numpy as np
-
         dt = _dtype_code(kind, x)
         esize = 4 if dt == DT_F32 else 2
         hidden = int(x.shape[-1])
@@ -1974,35 +2049,36 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
         if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
             plan = _backward_plan(cp, side.dev, op, dt, wdt, nrows, hidden, a.flags, strides,
                                   reads_rstd, switches)
-        rstd_ptr = np.uint64(_ptr(rstd) if reads_rstd else 0)
+        rstd_ptr = _ptr(rstd) if reads_rstd else 0
         chained = False  # the dweight tree's launches chained after the backward kernel
         groups = plan.groups
         if plan.final:  # one group: the kernel stores dweight itself in the weight's dtype
             dweight, wsv = side.empty_rows(weight)
-            a = a._replace(flags=a.flags | F_DW_FINAL)
+            a = _with_flags(a, a.flags | F_DW_FINAL)
         else:
             ws, wsv = side.empty_f32((groups, hidden))
             a, chained = _chain_the_tree(a, groups, wdt, cp, side.dev)
         if plan.form == "row":  # a team per row
-            args = _pack(np, a, (a.x, a.w, a.dy, a.y, _ptr(wsv)), (a.rows, a.sx, a.sdy, a.sy))
-            _launch(plan.fn, plan.grid, plan.block, (*args, rstd_ptr))
-        elif plan.form == "pair":  # 32-bit rows and strides, the saved rstd, no eps
-            i32 = np.int32
+            args = _pack(a, (a.x, a.w, a.dy, a.y, _ptr(wsv)), (a.rows, a.sx, a.sdy, a.sy))
             _launch(plan.fn, plan.grid, plan.block,
-                    (*(np.uint64(p) for p in (a.x, a.r, a.w, a.dy, a.y, a.y2, _ptr(wsv))),
-                     *(i32(v) for v in (a.rows, a.sx, a.sr, a.sdy, a.sy, a.sy2)),
-                     np.float32(a.offset), i32(a.flags), i32(plan.glog), i32(groups),
-                     rstd_ptr), plan.smem)
+                    KernelArgs("QQQQQqqqqffiQ", (*args, rstd_ptr)))
+        elif plan.form == "pair":  # 32-bit rows and strides, the saved rstd, no eps
+            _launch(plan.fn, plan.grid, plan.block, KernelArgs(
+                "QQQQQQQiiiiiifiiiQ",
+                (a.x, a.r, a.w, a.dy, a.y, a.y2, _ptr(wsv), a.rows, a.sx, a.sr, a.sdy, a.sy,
+                 a.sy2, _f32_arg(a.offset), a.flags, plan.glog, groups, rstd_ptr)), plan.smem)
         else:  # the pipelined backward (persistent teams, dweight stacks in shared
             # memory) or the register kernels
             if plan.table:
-                a = a._replace(flags=a.flags | F_GATE_TABLE)
-            args = _pack(np, a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
+                a = _with_flags(a, a.flags | F_GATE_TABLE)
+            args = _pack(a, (a.x, a.r, a.w, a.dy, a.dres, a.y, a.y2, _ptr(wsv)),
                          (a.rows, a.H, a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2))
             if plan.form == "pipe":
-                args = (*args, np.int32(plan.team_log), np.int32(plan.glog), rstd_ptr)
+                args = KernelArgs(_BWD_CODES + "iiQ", (*args, plan.team_log, plan.glog, rstd_ptr))
             elif plan.takes_glog:
-                args = (*args, np.int32(plan.glog))
+                args = KernelArgs(_BWD_CODES + "i", (*args, plan.glog))
+            else:
+                args = KernelArgs(_BWD_CODES, args)
             _launch(plan.fn, plan.grid, plan.block, args, plan.smem)
         if not plan.final:
             dweight = _fold_dweight(side, plan.tree, ws, wsv, hidden, weight, chained=chained)
@@ -2022,7 +2098,7 @@ def _chain_the_tree(a: _Args, groups: int, weight_dtype_code: int, cp: Any, dev:
     backward kernel's arguments with F_LET_DEPENDENTS and ``True`` (the tree's launches
     are then chained after it); else ``a`` as it is and ``False``."""
     if _tree_follows(groups, weight_dtype_code) and chained_launches(cp, dev):
-        return a._replace(flags=a.flags | F_LET_DEPENDENTS), True
+        return _with_flags(a, a.flags | F_LET_DEPENDENTS), True
     return a, False
 
 
@@ -2031,22 +2107,19 @@ def _fold_dweight(side: _TorchSide | _CupySide, tree: _TreePlan, ws: Any, wsv: A
     """dweight from the backward's fp32 workspace rows ``ws`` (``wsv`` the view the
     kernels read) by ``tree`` (``_tree_plan``). ``chained``: each launch a programmatic
     dependent one (the backward kernel had F_LET_DEPENDENTS)."""
-    import numpy as np
-
     g = ws.shape[0]
     for gout, clog, tgrid in tree.levels:
         out, outv = side.empty_f32((gout, hidden))
         _launch(tree.tree_fn, tgrid, (256, 1, 1),
-                (np.uint64(_ptr(wsv)), np.uint64(_ptr(outv)), np.int64(g), np.int64(hidden),
-                 np.int32(clog)), chained=chained)
+                KernelArgs("QQqqi", (_ptr(wsv), _ptr(outv), g, hidden, clog)), chained=chained)
         ws, wsv, g = out, outv, gout
     if tree.last is None:  # one fp32 row already is an fp32 weight's dweight
         return ws.reshape(hidden)
     dweight, dwv = side.empty_rows(weight)
     last, clog1, slog, lgrid = tree.last
     _launch(last, lgrid, (16, 16, 1),
-            (np.uint64(_ptr(wsv)), np.uint64(_ptr(dwv)), np.int64(g), np.int64(hidden),
-             np.int32(clog1), np.int32(slog)), chained=chained)
+            KernelArgs("QQqqii", (_ptr(wsv), _ptr(dwv), g, hidden, clog1, slog)),
+            chained=chained)
     return dweight
 
 

@@ -228,7 +228,7 @@ def _record_launches(monkeypatch, *, pdl: bool = False, plans: dict | None = Non
     monkeypatch.setattr(cb, "_plans", {} if plans is None else plans)
 
     def launch(fn, grid, block, args, shared_mem=0, *, chained=False):
-        launches.append((fn, grid, block, args, shared_mem))
+        launches.append((fn, grid, block, args.numpy(), shared_mem))
         launches.chained.append(chained)
 
     monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
@@ -460,7 +460,7 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
     seen = []
 
     def driver_call(config, function, params, extra):
-        c = config._obj
+        c = config.contents
         types = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float)
         seen.append((tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.stream, c.num_attrs,
                      c.attrs[0].id, c.attrs[0].value[0], function, extra,
@@ -473,7 +473,7 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
     monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
     monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
-    args = (np.uint64(2**63 + 1), np.int64(-16), np.int32(-4), np.float32(1.5))
+    args = cb.KernelArgs("Qqif", (2**63 + 1, -16, -4, 1.5))
     status = 0
     cb._launch(fn, (7, 2), (16, 16, 1), args, 12, chained=True)
     assert seen == [((7, 2, 1), (16, 16, 1), 12, 0x5000, 1,
@@ -485,32 +485,29 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
         cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
 
 
-@pytest.mark.parametrize("switch", ["default", "1"])
-def test_plain_launches_through_the_driver_with_the_switch(switch, monkeypatch):
-    """Plain launches call CuPy's RawKernel, or with ``NORMSPEC_CUPY_DRIVER_LAUNCH=1``
-    the driver's ``cuLaunchKernelEx`` without launch attributes, the arguments packed
-    as the chained launches' (each value read back through its parameter pointer)."""
+@pytest.mark.parametrize("driver", [True, False])
+def test_plain_launches_through_the_driver(driver, monkeypatch):
+    """Plain launches call the driver's ``cuLaunchKernelEx`` without launch attributes,
+    the arguments packed as the chained launches' (each value read back through its
+    parameter pointer), or CuPy's RawKernel where the driver lacks the function."""
     import ctypes
 
     seen, raw = [], []
 
     def driver_call(config, function, params, extra):
-        c = config._obj
+        c = config.contents
         types_ = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float,
-                  ctypes.c_uint64)
-        seen.append((tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.num_attrs,
-                     function, [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
-                                for i, t in enumerate(types_)]))
+                  ctypes.c_int64)
+        seen.append((tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.stream,
+                     c.num_attrs, function,
+                     [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+                      for i, t in enumerate(types_)]))
         return 0
 
     stream = types.SimpleNamespace(ptr=0x5000)
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
     monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
-    if switch == "1":
-        monkeypatch.setenv("NORMSPEC_CUPY_DRIVER_LAUNCH", "1")
-    else:
-        monkeypatch.delenv("NORMSPEC_CUPY_DRIVER_LAUNCH", raising=False)
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call if driver else None])
 
     class Kernel:  # RawKernel's call, recorded
         kernel = types.SimpleNamespace(ptr=0x77)
@@ -518,14 +515,76 @@ def test_plain_launches_through_the_driver_with_the_switch(switch, monkeypatch):
         def __call__(self, grid, block, args, shared_mem=0):
             raw.append((grid, block, args, shared_mem))
 
-    args = (np.uint64(0x1000), np.int64(-3), np.int32(7), np.float32(0.1), np.uint64(0))
-    for _ in range(2):  # the second launch reuses the packed layout
+    args = cb.KernelArgs("Qqifq", (0x1000, -3, 7, 0.1, 0))
+    for _ in range(2):  # the second launch reuses the packed layout and the configuration
         cb._launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
-    if switch == "1":
-        assert not raw and seen == [((3, 1, 1), (256, 1, 1), 64, 0, 0x77,
-                                     [0x1000, -3, 7, float(np.float32(0.1)), 0])] * 2
+    stream.ptr = 0x6000  # another stream: a configuration of its own
+    cb._launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
+    if driver:
+        values = [0x1000, -3, 7, float(np.float32(0.1)), 0]
+        assert not raw and seen == [((3, 1, 1), (256, 1, 1), 64, 0x5000, 0, 0x77, values)] * 2 + [
+            ((3, 1, 1), (256, 1, 1), 64, 0x6000, 0, 0x77, values)]
     else:
-        assert not seen and raw == [((3, 1, 1), (256, 1, 1), args, 64)] * 2
+        assert not seen and len(raw) == 3
+        for grid, block, numpy_args, smem in raw:  # NumPy scalars of the codes' C types
+            assert (grid, block, smem) == ((3, 1, 1), (256, 1, 1), 64)
+            assert [type(v) for v in numpy_args] == [np.uint64, np.int64, np.int32,
+                                                     np.float32, np.int64]
+            assert numpy_args == (0x1000, -3, 7, np.float32(0.1), 0)
+
+
+@pytest.mark.parametrize("value", [0.1, 1e-6, -2.5, 3.4028234663852886e38,
+                                   2.0**128 - 2.0**104, 2.0**128 - 2.0**103 - 2.0**70,
+                                   2.0**128 - 2.0**103, 1e39, -1e39, 5e-324, -0.0])
+def test_float32_arguments_round_as_numpy_does(value):
+    """A float32 argument packs to the bits NumPy's ``float32`` gives (the C cast the
+    RawKernel path and the torch extension apply), infinity included where the value
+    rounds past the largest float32 (``struct`` alone would refuse it)."""
+    import struct
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warning
+        want = np.float32(value).tobytes()
+    assert struct.pack("<f", cb._f32_arg(value)) == want
+    assert cb.KernelArgs("f", (cb._f32_arg(value),)).numpy()[0].tobytes() == want
+
+
+def test_launch_configurations_are_kept_per_thread_and_bounded(monkeypatch):
+    """A launch configuration is built once per grid, block, shared memory, stream and
+    attribute count in each thread, and the kept ones start again past ``_CONFIGS_MAX``."""
+    import threading
+
+    configs = []
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn",
+                        [lambda config, *rest: configs.append(config) or 0])
+    stream = types.SimpleNamespace(ptr=0)
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_CONFIGS_MAX", 3)
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
+    args = cb.KernelArgs("Q", (1,))
+
+    def launches():
+        cb._launch(fn, (1, 1, 1), (32, 1, 1), args)
+        cb._launch(fn, (1, 1, 1), (32, 1, 1), args)
+        cb._launch(fn, (2, 1, 1), (32, 1, 1), args)
+        cb._launch(fn, (1, 1, 1), (32, 1, 1), args, chained=True)
+
+    cb._launch_configs.__dict__.clear()
+    launches()
+    assert configs[0] is configs[1] and len({id(c) for c in configs}) == 3
+    assert configs[3].contents.num_attrs == 1 and configs[0].contents.num_attrs == 0
+    assert configs[0].contents.stream is None  # the null stream
+    mine = dict(cb._launch_configs.__dict__)
+    worker = threading.Thread(target=launches)
+    worker.start()
+    worker.join()
+    assert not {id(c) for c in configs[4:]} & {id(c) for c in configs[:4]}
+    assert cb._launch_configs.__dict__ == mine  # the worker's are its own
+    cb._launch(fn, (3, 1, 1), (32, 1, 1), args)  # a fourth: the kept ones start again
+    assert len(cb._launch_configs.__dict__) == 1
+    cb._launch_configs.__dict__.clear()
 
 
 def test_packed_arguments_are_per_thread():
@@ -533,7 +592,7 @@ def test_packed_arguments_are_per_thread():
     backward launches while the caller's thread may launch forwards)."""
     import threading
 
-    args = (np.uint64(1), np.int32(2))
+    args = cb.KernelArgs("Qi", (1, 2))
     here = cb._packed_params(args)
     there = []
     worker = threading.Thread(target=lambda: there.append(cb._packed_params(args)))
@@ -650,7 +709,7 @@ def test_global_gate_table_is_filled_once_per_activation_and_never_in_a_capture(
     monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
     launches = []
     monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
-                        launches.append((fn, grid, block, args)))
+                        launches.append((fn, grid, block, args.numpy())))
     stream = _FakeStream(capturing=True)
     fake = _FakeCupy(stream)
     assert cb._global_gate_table(fake, 0, True) is None
@@ -677,6 +736,16 @@ def test_alignment_flag():
     assert not cb.with_alignment(cb._Args(x=4096, w=8196, y=16384, sx=8, sy=8), 4).flags
     # unused (null) pointers do not count
     assert cb.with_alignment(cb._Args(x=4096, w=8192, y=16384, sx=8, sy=8, sr=3), 4).flags
+
+
+def test_quick_argument_edits_equal_replace():
+    """``_with_flags`` and ``_with_weight_ptr`` (tuple edits by position) give what
+    ``_replace`` gives, and ``_Args`` still ends with its flags."""
+    a = cb._Args(*range(1, len(cb._Args._fields) + 1))
+    assert cb._Args._fields[-1] == "flags"
+    assert cb._with_flags(a, 99) == a._replace(flags=99)
+    assert type(cb._with_flags(a, 99)) is cb._Args
+    assert cb._with_weight_ptr(a, 0x800, 5) == a._replace(w=0x800, flags=5)
 
 
 def test_launch_shapes():
@@ -1395,13 +1464,12 @@ def test_a_plan_is_kept_per_row_stride(monkeypatch):
 
 def test_the_plan_switches_are_every_variable_the_planners_read(monkeypatch):
     """``PLAN_SWITCHES`` (the environment in each plan's key) names every variable the
-    backend reads, but for ``NORMSPEC_PDL`` (read at each backward, outside the plans),
-    ``NORMSPEC_CUPY_DRIVER_LAUNCH`` (read at each launch) and the cache folder;
-    ``switch_values`` sees a variable set or unset at once."""
+    backend reads, but for ``NORMSPEC_PDL`` (read at each backward, outside the plans)
+    and the cache folder; ``switch_values`` sees a variable set or unset at once."""
     source = Path(cb.__file__).read_text()
     read = set(re.findall(r'(?:_switched_off\(|environ\.get\()"(NORMSPEC_[A-Z0-9_]+)"',
                           source))
-    outside = {"NORMSPEC_PDL", "NORMSPEC_CUPY_DRIVER_LAUNCH", "NORMSPEC_CUPY_CACHE_DIR"}
+    outside = {"NORMSPEC_PDL", "NORMSPEC_CUPY_CACHE_DIR"}
     assert outside <= read and read - outside == set(cb.PLAN_SWITCHES)
     for name in cb.PLAN_SWITCHES:
         monkeypatch.delenv(name, raising=False)
