@@ -65,14 +65,17 @@ launch configuration kept; CuPy's ``RawKernel`` launches only where a driver bef
 H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
 77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
 The extension's forms above took the bench's GPU times to the extension's own, within
-2.1 % on every large shape at b61bd41 (0.6 % at 11ed868,
+2.1 % on every large shape at b61bd41 (0.9 % at a740a78,
 ``bench/results/NVIDIA_H200.json``): backward rms 32768 x 2048 143.5 -> 122.1 us, fused
 add 227.8 -> 150.7, gated 2**21 x 128 1222 -> 708 (hf) and 1020 -> 705 (vllm); forward
 71.6 -> 66.6 at rms 32768 x 2048 (no fp32 weight
-copy). Per call, the host side outweighs the kernels but at the largest sizes: in the bench
-at 11ed868 a call at the small and mid shapes (1 to 4096 rows) took 52-107 us a forward and
-227-471 us a backward through autograd, against torch.compile's 31-55 and 139-249 us in the
-same run; ``scripts/cupy_host_profile.py`` shows where it goes.
+copy). Per call, the host side outweighs the kernels but at the largest sizes. In the bench
+at a740a78 a call at the small and mid shapes (1 to 4096 rows) took 4-45 us a forward and
+116-270 us a backward through autograd, against torch.compile's 28-56 and 145-176 us in the
+same run (the bench's call time hides a host quicker than its cache flush); enqueueing a
+forward took 42-73 us against torch.compile's 63-110. At 11ed868, before the driver
+launches and plain-number arguments, the forward's calls took 52-107 us.
+``scripts/cupy_host_profile.py`` shows where the host time goes.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
