@@ -1498,9 +1498,10 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: Kernel
     """Launches ``fn`` on the current stream through the driver's ``cuLaunchKernelEx``
     (``_launch_driver``); ``chained``: as a programmatic dependent launch
     (``_launch_chained``; the caller has asked ``chained_launches``). Where the driver
-    lacks ``cuLaunchKernelEx`` (before CUDA 12.0), through CuPy's ``RawKernel``: on the
-    H200's host a forward's launch took 6.0 us through the driver with a kept launch
-    configuration against RawKernel's 9.4 (notes/perf.md §47)."""
+    lacks ``cuLaunchKernelEx`` (before CUDA 12.0), through CuPy's ``RawKernel``. On the
+    H200's host a forward's launch took 9.4 us through RawKernel, 9.0 through the driver
+    with a configuration built per launch and 6.0 with one built once (that probe through
+    ``PyDLL``, 0.3 us quicker than the ``CDLL`` used here; notes/perf.md §47)."""
     if chained:
         _launch_chained(fn, grid, block, args, shared_mem)
     elif _cu_launch_kernel_ex() is not None:
