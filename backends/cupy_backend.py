@@ -236,20 +236,28 @@ def _switched_off(name: str) -> bool:
     launcher: the speed switches that keep an older path for timing; read at each call,
     from the dictionary where CPython's ``os.environ`` keeps the encoded environment:
     0.05 us against ``os.environ.get``'s 0.75 on the CPU machine)."""
-    data = getattr(os.environ, "_data", None)
-    if type(data) is not dict or _ENCODED_ZERO is None:  # pragma: no cover - another Python
+    data = _environ_data()
+    if data is None:  # pragma: no cover - another Python
         return os.environ.get(name) == "0"
     key = _encoded_names.get(name)
     if key is None:
-        key = _encoded_names[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+        key = _encoded_names[name] = _encode_key(name)
     return data.get(key) == _ENCODED_ZERO
+
+
+def _environ_data() -> dict | None:
+    """The dictionary where CPython's ``os.environ`` keeps the encoded environment (what
+    ``_switched_off`` and ``switch_values`` read), or ``None`` on a Python without it."""
+    data = getattr(os.environ, "_data", None)
+    return data if type(data) is dict and _encode_key is not None else None
 
 
 _encoded_names: dict[str, Any] = {}
 try:
+    _encode_key = os.environ.encodekey  # type: ignore[attr-defined]
     _ENCODED_ZERO = os.environ.encodevalue("0")  # type: ignore[attr-defined]
 except AttributeError:  # pragma: no cover - another Python
-    _ENCODED_ZERO = None
+    _encode_key = _ENCODED_ZERO = None
 
 
 def next_pow2(n: int) -> int:
@@ -1767,17 +1775,15 @@ _PLAN_FLAGS = F_ALIGNED | F_HF | F_SIGMOID | F_W_IS_INPUT
 #: of prefills, must not grow it without bound)
 _PLANS_MAX = 4096
 _plans: dict[tuple, Any] = {}
-try:  # CPython's os.environ keeps the encoded environment in a dict: 16 reads in ~1 us
-    _SWITCH_KEYS = tuple(map(os.environ.encodekey, PLAN_SWITCHES))  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - another Python
-    _SWITCH_KEYS = ()
+#: the switches' keys in ``_environ_data()`` (16 reads there take about 1 us)
+_SWITCH_KEYS = tuple(map(_encode_key, PLAN_SWITCHES)) if _encode_key is not None else ()
 
 
 def switch_values() -> tuple:
     """The values of the ``PLAN_SWITCHES`` now (``None`` for an unset one; encoded where
     the environment's own dictionary is read): part of every plan's key."""
-    data = getattr(os.environ, "_data", None)
-    if _SWITCH_KEYS and type(data) is dict:
+    data = _environ_data()
+    if data is not None:
         return tuple(map(data.get, _SWITCH_KEYS))
     return tuple(map(os.environ.get, PLAN_SWITCHES))  # pragma: no cover - another Python
 
