@@ -163,26 +163,11 @@ NS_HD Act act_and_grad_fp32(float z, bool sigmoid) {
 }
 
 // ---- the norm's scalar steps ------------------------------------------------
-// NORMSPEC_RSTD_RCP (build time, default 0; an experiment, notes/perf.md §48): on the
-// device the rstd's last step 1 / s goes through rcp.rn instead of div.rn. Both are the
-// correctly rounded quotient of 1 by s (IEEE 754's reciprocal is that division), so the
-// bits cannot differ; only the instructions ptxas emits do.
-#ifndef NORMSPEC_RSTD_RCP
-#define NORMSPEC_RSTD_RCP 0
-#endif
-NS_HD float reciprocal(float a) {
-#if defined(__CUDA_ARCH__) && NORMSPEC_RSTD_RCP
-  return __frcp_rn(a);
-#else
-  return div(1.0f, a);
-#endif
-}
-
 // rstd = 1 / sqrt(ss / H + eps32): four correctly rounded fp32 steps.
 NS_HD float rstd_from_ss(float ss, long long hidden, float eps32) {
   float mean = div_by_count(ss, hidden);
   float v = add(mean, eps32);
-  return reciprocal(sqrt_rn(v));
+  return div(1.0f, sqrt_rn(v));
 }
 
 // The weight factor g: w as is when offset == 0 (a -0.0 weight stays -0.0),
