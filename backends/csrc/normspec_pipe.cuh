@@ -1076,6 +1076,23 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_WEIGHT_EARLY
 #define NORMSPEC_ROW_WEIGHT_EARLY 1
 #endif
+// See EARLY_W in normspec_fwd_row_kernel (an experiment, default 0).
+#ifndef NORMSPEC_ROW_W_RAW_ONE
+#define NORMSPEC_ROW_W_RAW_ONE 0
+#endif
+// NORMSPEC_ROW_W_LDCA (build time, default 0; an experiment, notes/perf.md §48): the
+// one-row forward's early raw weight loads (EARLY_W) through ld.global.ca instead of the
+// non-coherent path (LDG.CONSTANT) that the restrict-qualified weight gets.
+#ifndef NORMSPEC_ROW_W_LDCA
+#define NORMSPEC_ROW_W_LDCA 0
+#endif
+__device__ __forceinline__ uint4 load_weight_raw(const uint4* p) {
+#if NORMSPEC_ROW_W_LDCA
+  return __ldca(p);
+#else
+  return *p;
+#endif
+}
 // NORMSPEC_FWD_ROW_PER_BLOCK (build time, default 1 since session 29; =0 for A/B): the
 // one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
 // row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
@@ -1235,10 +1252,6 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // One pass (the small-row geometry, few rows in flight): the weight's load is issued
   // with the row's, not after the reduction, so that a latency-bound launch waits
   // for memory once. More passes would hold NP * VEC more registers in every thread.
-  float g1[NP == 1 ? VEC : 1];
-  if constexpr (NP == 1) {
-    if (live && tcol < Hc) weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
-  }
 #if NORMSPEC_ROW_WEIGHT_EARLY
   // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
   // issue the weight's loads with the row's, as raw vectors (4 registers a pass), instead
@@ -1250,7 +1263,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // 18.8 and 9.7 to 9.5 warm) and lost only at rms 32768 x 2048 warm, by 0.2 % (66.0 to
   // 66.1); -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the late load (for
   // bench/micro/row_forward_ab.cu's A/B).
-  constexpr bool EARLY_W = NP > 1 && FULL && sizeof(T) == 2 && OP != OP_GATED;
+  // NORMSPEC_ROW_W_RAW_ONE (build time, default 0; an experiment, notes/perf.md §48): the
+  // one-pass forms too keep the 16-bit weight raw from its load with the row's and widen
+  // and scale it for the output, after the reduction, instead of before the reduction
+  // starts (g1 below: in the SASS of the 64 x 256 form its unpacking and offset adds stand
+  // between the loads' return and the first square).
+  constexpr bool EARLY_W =
+      (NP > 1 || NORMSPEC_ROW_W_RAW_ONE) && FULL && sizeof(T) == 2 && OP != OP_GATED;
 #else
   constexpr bool EARLY_W = false;
 #endif
@@ -1259,8 +1278,14 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     if (flags & F_W_RAW) {
 #pragma unroll
       for (int p = 0; p < NP; ++p)  // every vector is whole (FULL)
-        w_raw[p] = *reinterpret_cast<const uint4*>(static_cast<const T*>(w) + p * S + tcol);
+        w_raw[p] = load_weight_raw(
+            reinterpret_cast<const uint4*>(static_cast<const T*>(w) + p * S + tcol));
     }
+  }
+  float g1[NP == 1 ? VEC : 1];
+  if constexpr (NP == 1) {
+    if (live && tcol < Hc && !(EARLY_W && (flags & F_W_RAW)))
+      weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
 #if NORMSPEC_ROW_WEIGHT_PREFETCH
   // Experiment (bench/micro/row_forward_ab.cu), from before the early load above: where
@@ -1321,13 +1346,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
         continue;
       }
       float g[VEC];
-      if constexpr (NP == 1) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) g[j] = g1[j];
-      } else if (EARLY_W && (flags & F_W_RAW)) {
-        unpack<T>(w_raw[p], g);
+      if (EARLY_W && (flags & F_W_RAW)) {
+        unpack<T>(w_raw[EARLY_W ? p : 0], g);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) g[j] = scale_weight(g[j], flags & F_OFFSET, offset);
+      } else if constexpr (NP == 1) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = g1[j];
       } else {
         weight_factors<OP, T, VEC>(w, col, Hc, offset, flags, g);
       }
