@@ -375,6 +375,37 @@ def test_warp_team_forward_row_in_32_bits_and_the_broadcast_experiment(
     assert bool(re.search(r"\bshr\.[us]64\b", text)) == slot_in_64_bits
 
 
+def _offset_adds_around_the_reduction(text: str) -> tuple[int, int]:
+    """In one kernel's PTX: the ``add.rn.f32`` instructions that read the ``offset``
+    parameter (the forward's parameter 12) before the first ``shfl.sync`` and after the
+    last one."""
+    reg = re.search(r"ld\.param\.f32\s+(%f\d+), \[\w+_param_12\]", text).group(1)
+    lines = text.splitlines()
+    shuffles = [i for i, line in enumerate(lines) if "shfl.sync." in line]
+    adds = [i for i, line in enumerate(lines)
+            if re.search(rf"\badd\.rn\.f32\s.*{re.escape(reg)}\b", line)]
+    return (sum(i < shuffles[0] for i in adds), sum(i > shuffles[-1] for i in adds))
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("probe", "flags", "before", "after"), [
+    (WARP_TEAM_FORWARD_PROBE, [], 8, 8),
+    (WARP_TEAM_FORWARD_PROBE, ["-DNORMSPEC_ROW_W_RAW_ONE=0"], 8, 0),
+    (ROW_FORWARD_PROBE, [], 8, 0),
+], ids=["warp_team", "warp_team_old", "whole_block"])
+def test_one_pass_forward_scales_the_raw_weight_after_the_reduction(
+        tmp_path, probe, flags, before, after):
+    """The one-pass bf16 forward of a warp team (the 256-wide q/k rows) keeps a bf16
+    weight read as it is raw until the reduction is done and widens it and adds the
+    offset for the output (``NORMSPEC_ROW_W_RAW_ONE``, the default): eight offset adds
+    after the last shuffle, beside the fp32 weight's eight before the first one (its
+    path is unchanged). ``=0`` and the whole-block form (rows of 2048) scale every
+    weight before the reduction starts. notes/perf.md §48."""
+    text = _entry(_ptx_of(tmp_path, probe, "sm_90a", "-fmad=false", *flags),
+                  "normspec_fwd_row_kernel")
+    assert _offset_adds_around_the_reduction(text) == (before, after)
+
+
 _BACKWARD_ARGS = """
     const __nv_bfloat16*, const __nv_bfloat16*, const void*, const __nv_bfloat16*,
     const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, float*, long long, long long,

@@ -1076,13 +1076,15 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_WEIGHT_EARLY
 #define NORMSPEC_ROW_WEIGHT_EARLY 1
 #endif
-// See EARLY_W in normspec_fwd_row_kernel (an experiment, default 0).
+// NORMSPEC_ROW_W_RAW_ONE (build time, default 1 since session 43; =0 for A/B): see EARLY_W
+// in normspec_fwd_row_kernel.
 #ifndef NORMSPEC_ROW_W_RAW_ONE
-#define NORMSPEC_ROW_W_RAW_ONE 0
+#define NORMSPEC_ROW_W_RAW_ONE 1
 #endif
-// NORMSPEC_ROW_W_LDCA (build time, default 0; an experiment, notes/perf.md §48): the
-// one-row forward's early raw weight loads (EARLY_W) through ld.global.ca instead of the
-// non-coherent path (LDG.CONSTANT) that the restrict-qualified weight gets.
+// NORMSPEC_ROW_W_LDCA (build time, default 0; an experiment): the one-row forward's early
+// raw weight loads (EARLY_W) through ld.global.ca instead of the non-coherent path
+// (LDG.CONSTANT) that the restrict-qualified weight gets. On the H200 it changed no
+// kernel's duration (CUPTI, notes/perf.md §48).
 #ifndef NORMSPEC_ROW_W_LDCA
 #define NORMSPEC_ROW_W_LDCA 0
 #endif
@@ -1263,13 +1265,17 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   // 18.8 and 9.7 to 9.5 warm) and lost only at rms 32768 x 2048 warm, by 0.2 % (66.0 to
   // 66.1); -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the late load (for
   // bench/micro/row_forward_ab.cu's A/B).
-  // NORMSPEC_ROW_W_RAW_ONE (build time, default 0; an experiment, notes/perf.md §48): the
-  // one-pass forms too keep the 16-bit weight raw from its load with the row's and widen
-  // and scale it for the output, after the reduction, instead of before the reduction
-  // starts (g1 below: in the SASS of the 64 x 256 form its unpacking and offset adds stand
-  // between the loads' return and the first square).
-  constexpr bool EARLY_W =
-      (NP > 1 || NORMSPEC_ROW_W_RAW_ONE) && FULL && sizeof(T) == 2 && OP != OP_GATED;
+  // NORMSPEC_ROW_W_RAW_ONE: the one-pass forms of teams of at most a warp (the q/k rows
+  // of 256 and narrower) keep the 16-bit weight raw from its load, issued with the row's,
+  // and widen and scale it for the output, after the reduction, instead of before the
+  // reduction starts (g1 below: in the SASS of the 64 x 256 form its unpacking and offset
+  // adds stood between the loads' return and the first square). On the H200 (CUPTI kernel
+  // durations, two passes, equal bits; notes/perf.md §48): after the 256 MiB flush 4096 x
+  // 256 2.37 -> 2.21 us and 64 x 256 1.44 -> 1.41, warm both level (2.03, 1.25). The
+  // whole-block one-pass forms (rows of 2048, up to 528 of them) lost warm with it
+  // (1 x 2048 1.12 -> 1.18, 64 x 2048 1.27 -> 1.34) and keep g1.
+  constexpr bool EARLY_W = (NP > 1 || (NORMSPEC_ROW_W_RAW_ONE && FULL_TL <= 5)) && FULL &&
+                           sizeof(T) == 2 && OP != OP_GATED;
 #else
   constexpr bool EARLY_W = false;
 #endif
