@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [raw-weight] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -157,6 +157,23 @@ for s in $stages; do
       run ${LAUNCH_LIMIT:-400} launch-overhead python3 bench/micro/launch_overhead.py --out "$OUT"
       cp "$OUT/launch_overhead.json" "bench/results/probes/launch_overhead_${commit}.json" \
         2>/dev/null ;;
+    raw-weight)  # the warp teams' one-pass forward with its raw 16-bit weight widened after
+      # the reduction (the default since 0703256) against before it (NORMSPEC_ROW_W_RAW_ONE=0,
+      # a build of its own): CUPTI kernel durations (launch_overhead.py), flushed and warm,
+      # two passes of the two builds alternating, into bench/results/probes/ (notes §48)
+      mkdir -p bench/results/probes
+      for pass in 1 2; do
+        for form in default old; do
+          defines=""
+          [ "$form" = old ] && defines="NORMSPEC_ROW_W_RAW_ONE=0"
+          run ${LAUNCH_LIMIT:-400} "raw-weight-$form-$pass" env NORMSPEC_BUILD_DEFINES="$defines" \
+            python3 bench/micro/launch_overhead.py --case norm:64:256 --case norm:4096:256 \
+            --case norm:64:128 --direction forward --flush-mib 1 --flush-mib 256 \
+            --backend torch_ext --calls 100 --rounds 2 --out "$LOGS/raw-weight-$form-$pass"
+          cp "$LOGS/raw-weight-$form-$pass/launch_overhead.json" \
+            "bench/results/probes/raw_weight_${form}_${pass}_${commit}.json" 2>/dev/null
+        done
+      done ;;
     weight-early)  # the one-row forward with the weight loaded with the row (the default
       # since 71f0ae0) against after the reduction (-DNORMSPEC_ROW_WEIGHT_EARLY=0), after
       # the 512 MiB flush and warm; ab.py checks that both builds' outputs hash alike

@@ -20,11 +20,18 @@ STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 {extra}
 """
-# bench/repeat.py writes its JSON under --out
-PYTHON_EXTRA = """if [ "$1" = bench/repeat.py ]; then
+# bench/repeat.py and launch_overhead.py write their JSON under --out; the latter's
+# NORMSPEC_BUILD_DEFINES (the build it loads) is logged
+PYTHON_EXTRA = """json=
+[ "$1" = bench/repeat.py ] && json=repeat.json
+if [ "$1" = bench/micro/launch_overhead.py ]; then
+  json=launch_overhead.json
+  echo "  defines=${NORMSPEC_BUILD_DEFINES:-}" >> "$STUB_LOG"
+fi
+if [ -n "$json" ]; then
   prev=
   for a in "$@"; do
-    [ "$prev" = --out ] && mkdir -p "$a" && echo '{}' > "$a/repeat.json"
+    [ "$prev" = --out ] && mkdir -p "$a" && echo '{}' > "$a/$json"
     prev=$a
   done
 fi"""
@@ -129,6 +136,21 @@ def test_ab_stages_time_the_default_against_the_other_forms(run_stage, stage, fr
     assert len(ab) == 1
     for fragment in fragments:
         assert fragment in ab[0], (stage, fragment)
+
+
+def test_raw_weight_times_both_builds_alternately_and_keeps_each_run(run_stage):
+    """The raw-weight stage: launch_overhead.py over the q/k forwards, the default build and
+    the NORMSPEC_ROW_W_RAW_ONE=0 one in turn, twice, each run's JSON kept by form and pass."""
+    lines = run_stage("raw-weight")
+    runs = [i for i, ln in enumerate(lines) if "bench/micro/launch_overhead.py" in ln]
+    assert [lines[i + 1].strip() for i in runs] == [
+        "defines=", "defines=NORMSPEC_ROW_W_RAW_ONE=0"] * 2
+    for i in runs:
+        assert "--case norm:64:256" in lines[i] and "--backend torch_ext" in lines[i]
+        assert "--flush-mib 1 --flush-mib 256" in lines[i]
+    saved = sorted(p.name for p in (run_stage.tree / "bench/results/probes").iterdir())
+    assert saved == [f"raw_weight_{form}_{n}_abc1234.json"
+                     for form in ("default", "old") for n in (1, 2)]
 
 
 def test_racecheck_runs_both_sanitizer_tools_on_our_kernels_and_keeps_their_logs(run_stage):
