@@ -1081,20 +1081,6 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 #ifndef NORMSPEC_ROW_W_RAW_ONE
 #define NORMSPEC_ROW_W_RAW_ONE 1
 #endif
-// NORMSPEC_ROW_W_LDCA (build time, default 0; an experiment): the one-row forward's early
-// raw weight loads (EARLY_W) through ld.global.ca instead of the non-coherent path
-// (LDG.CONSTANT) that the restrict-qualified weight gets. On the H200 it changed no
-// kernel's duration (CUPTI, notes/perf.md §48).
-#ifndef NORMSPEC_ROW_W_LDCA
-#define NORMSPEC_ROW_W_LDCA 0
-#endif
-__device__ __forceinline__ uint4 load_weight_raw(const uint4* p) {
-#if NORMSPEC_ROW_W_LDCA
-  return __ldca(p);
-#else
-  return *p;
-#endif
-}
 // NORMSPEC_FWD_ROW_PER_BLOCK (build time, default 1 since session 29; =0 for A/B): the
 // one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
 // row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
@@ -1251,9 +1237,6 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
       }
     }
   }
-  // One pass (the small-row geometry, few rows in flight): the weight's load is issued
-  // with the row's, not after the reduction, so that a latency-bound launch waits
-  // for memory once. More passes would hold NP * VEC more registers in every thread.
 #if NORMSPEC_ROW_WEIGHT_EARLY
   // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
   // issue the weight's loads with the row's, as raw vectors (4 registers a pass), instead
@@ -1284,10 +1267,13 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     if (flags & F_W_RAW) {
 #pragma unroll
       for (int p = 0; p < NP; ++p)  // every vector is whole (FULL)
-        w_raw[p] = load_weight_raw(
-            reinterpret_cast<const uint4*>(static_cast<const T*>(w) + p * S + tcol));
+        w_raw[p] = *reinterpret_cast<const uint4*>(static_cast<const T*>(w) + p * S + tcol);
     }
   }
+  // One pass (the small-row geometry, few rows in flight), where the weight is not kept raw
+  // above: its load is issued with the row's, not after the reduction, so that a
+  // latency-bound launch waits for memory once. More passes would hold NP * VEC more
+  // registers in every thread.
   float g1[NP == 1 ? VEC : 1];
   if constexpr (NP == 1) {
     if (live && tcol < Hc && !(EARLY_W && (flags & F_W_RAW)))
