@@ -769,6 +769,41 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
   }
 }
 
+// NORMSPEC_ROW_QUAD (build time, an experiment; normspec_fwd_quad_kernel): the one-pass
+// rms and fused forwards of 16-bit rows of 256 (teams of 32 lanes) and 128 (16) with a
+// weight of the input dtype, four elements a lane. Blocks of 256 threads, or
+// NORMSPEC_ROW_BLOCK's (at least a row's lanes).
+template <int OP, typename T>
+bool launch_quad(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
+#if NORMSPEC_ROW_QUAD
+  if constexpr (sizeof(T) == 2 && OP != OP_GATED) {
+    const bool fits = (a.H == 256 && g.team_log == 5) || (a.H == 128 && g.team_log == 4);
+    if (!fits || !full_row_forms_enabled() || !row_index_fits_32(a.rows) ||
+        a.w_in_dtype == nullptr || !(a.flags & F_ALIGNED) || !aligned16(a.w_in_dtype))
+      return false;
+    const int ll = a.H == 256 ? 6 : 5;
+    int block = row_block_override() ? row_block_override() : 256;
+    if (block < (1 << ll)) block = 1 << ll;
+    const unsigned grid = grid_for(a.rows, block >> ll);
+    auto go = [&](auto kernel) {
+      kernel<<<grid, block, 0, stream>>>(
+          static_cast<const T*>(a.x), static_cast<const T*>(a.r),
+          static_cast<const T*>(a.w_in_dtype), static_cast<T*>(a.y), static_cast<T*>(a.y2),
+          static_cast<int>(a.rows), a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
+          a.rstd_out);
+    };
+    if (ll == 6) {
+      go(normspec_fwd_quad_kernel<OP, T, 6>);
+    } else {
+      go(normspec_fwd_quad_kernel<OP, T, 5>);
+    }
+    return true;
+  }
+#endif
+  static_cast<void>(a), static_cast<void>(g), static_cast<void>(stream);
+  return false;
+}
+
 // Rows that fill the team exactly with the default passes (power-of-two H) run
 // the form with constant geometry (FULL_TL = team_log, teams of 2..256 threads);
 // other rows the general one.
@@ -788,6 +823,7 @@ void forward_row_t(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stre
   // bound by one row's latency, which the constant forms shorten (bf16 rms: 312 SASS
   // instructions against 696 for the general form).
   if constexpr (NP == 1) {
+    if (launch_quad<OP, T>(a, g, stream)) return;
     if (full_row_forms_enabled() && row_index_fits_32(a.rows) &&
         fills_team<T, 1>(a.H, g.team_log) &&
         with_team_log<4, 8>(g.team_log, [&](auto tl) {

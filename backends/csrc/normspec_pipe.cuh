@@ -1365,6 +1365,100 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   }
 }
 
+// ---- the q/k forward in vectors of four (an experiment) ---------------------------
+// NORMSPEC_ROW_QUAD (build time, default 0; notes/perf.md §49): the rms and fused forwards
+// of rows of 4 * 2**LL 16-bit elements (256: LL 6, two warps a row; 128: LL 5, one warp)
+// with a weight of the input dtype, four elements a lane (8-byte loads and stores)
+// instead of eight (the one-pass forms of teams of 32 and 16 lanes): torch.compile's
+// shape for 64 x 256, whose kernel led ours warm by 0.14-0.19 us (§48). The same tree:
+// each lane's four squares in two levels, five shuffle levels a warp, and with two warps
+// their sums from shared memory, the left warp's first.
+#ifndef NORMSPEC_ROW_QUAD
+#define NORMSPEC_ROW_QUAD 0
+#endif
+namespace normspec {
+// 8 bytes of a row, with the 16-byte loads' L2 policy (load_row_vector)
+__device__ __forceinline__ uint2 load_row_half(const void* p) {
+  uint2 v;
+#if NORMSPEC_L2_LOAD_POLICY && !NORMSPEC_STREAMING_HINTS && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+  asm("ld.global.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+      : "=r"(v.x), "=r"(v.y)
+      : "l"(p), "l"(row_l2_policy<NORMSPEC_L2_LOAD_POLICY>()));
+#else
+  asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+#endif
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void unpack4(const uint2& u, float (&v)[4]) {
+  const uint4 q = make_uint4(u.x, u.y, 0u, 0u);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = RawBits<T>::get(q, j);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(RawBits<T>::put2(v[0], v[1]), RawBits<T>::put2(v[2], v[3]));
+}
+}  // namespace normspec
+
+template <int OP, typename T, int LL>
+__global__ void __launch_bounds__(256)
+    normspec_fwd_quad_kernel(const T* __restrict__ x, const T* __restrict__ r,
+                             const T* __restrict__ w, T* __restrict__ y, T* __restrict__ y2,
+                             int rows, long long sx, long long sr, long long sy,
+                             long long sy2, float eps, float offset, int flags,
+                             float* __restrict__ rstd_out) {
+  using namespace normspec;
+  static_assert(sizeof(T) == 2 && OP != OP_GATED && (LL == 5 || LL == 6),
+                "16-bit rms or fused rows of 128 or 256");
+  constexpr int H = 4 << LL;
+  __shared__ float red[8];  // a warp's sum, at most 256 threads
+  const int lane = static_cast<int>(threadIdx.x) & ((1 << LL) - 1);
+  const int row = static_cast<int>(blockIdx.x * (blockDim.x >> LL) + (threadIdx.x >> LL));
+  const bool live = row < rows;
+  const int tcol = lane * 4;
+  uint2 cx = make_uint2(0u, 0u), cr = cx;
+  if (live) {
+    cx = load_row_half(x + row * sx + tcol);
+    if constexpr (OP == OP_FUSED) cr = load_row_half(r + row * sr + tcol);
+  }
+  const uint2 wr = *reinterpret_cast<const uint2*>(w + tcol);
+  float v[4];
+  unpack4<T>(cx, v);
+  if constexpr (OP == OP_FUSED) {
+    float rv[4];
+    unpack4<T>(cr, rv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = add(v[j], rv[j]);
+    if (flags & F_ROUNDED) round_pairs<T>(v);
+  }
+  float sq[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) sq[j] = mul(v[j], v[j]);
+  float part = add(add(sq[0], sq[1]), add(sq[2], sq[3]));
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) part = add(part, __shfl_xor_sync(0xffffffffu, part, off));
+  if constexpr (LL == 6) {
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = part;
+    __syncthreads();
+    const float* q = red + ((threadIdx.x >> 5) & ~1u);
+    part = add(q[0], q[1]);
+  } else {
+    part = __shfl_sync(0xffffffffu, part, 0);
+  }
+  const float rstd = rstd_from_ss(part, H, eps);
+  if (!live) return;
+  if (rstd_out != nullptr && lane == 0) rstd_out[row] = rstd;
+  float g[4], out[4];
+  unpack4<T>(wr, g);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = mul(mul(v[j], rstd), scale_weight(g[j], flags & F_OFFSET, offset));
+  store4<T>(y + row * sy + tcol, out);
+  if constexpr (OP == OP_FUSED) store4<T>(y2 + row * sy2 + tcol, v);
+}
+
 // ---- backward -------------------------------------------------------------------
 // The rms and fused ops' backward of one vector: dxhat = dy * g, the dweight
 // contribution dy * xhat and dxhat * xhat for the row's sum, each product rounded once.
