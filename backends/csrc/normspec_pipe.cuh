@@ -1415,15 +1415,15 @@ __global__ void __launch_bounds__(256)
                 "16-bit rms or fused rows of 128 or 256");
   constexpr int H = 4 << LL;
   __shared__ float red[8];  // a warp's sum, at most 256 threads
-  const int lane = static_cast<int>(threadIdx.x) & ((1 << LL) - 1);
-  const int row = static_cast<int>(blockIdx.x * (blockDim.x >> LL) + (threadIdx.x >> LL));
-  const bool live = row < rows;
-  const int tcol = lane * 4;
-  uint2 cx = make_uint2(0u, 0u), cr = cx;
-  if (live) {
-    cx = load_row_half(x + row * sx + tcol);
-    if constexpr (OP == OP_FUSED) cr = load_row_half(r + row * sr + tcol);
-  }
+  const unsigned lane = threadIdx.x & ((1u << LL) - 1);
+  const unsigned row = blockIdx.x * (blockDim.x >> LL) + (threadIdx.x >> LL);
+  const bool live = row < static_cast<unsigned>(rows);
+  // a team past the last row (the last block's) reads the last row, without a branch, and
+  // stores nothing
+  const unsigned lrow = live ? row : static_cast<unsigned>(rows) - 1;
+  const unsigned tcol = lane * 4;
+  const uint2 cx = load_row_half(x + lrow * sx + tcol);
+  const uint2 cr = OP == OP_FUSED ? load_row_half(r + lrow * sr + tcol) : make_uint2(0u, 0u);
   const uint2 wr = *reinterpret_cast<const uint2*>(w + tcol);
   float v[4];
   unpack4<T>(cx, v);
