@@ -167,6 +167,7 @@ __all__ = [
     "pipe_backward_plan",
     "pipe_forward_geometry",
     "pipe_forward_launch",
+    "quad_forward_launch",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_gated",
@@ -177,6 +178,7 @@ __all__ = [
     "row_forward_enabled",
     "row_forward_launch",
     "row_geometry",
+    "row_quad_enabled",
     "wants_gate_table",
 ]
 
@@ -620,6 +622,35 @@ def row_block(team_log: int, rows: int, sm_count: int) -> int:
     return 256
 
 
+#: lanes (log2) a row of the quad forward, by the row's length (``quad_lanes_log``)
+_QUAD_LANES_LOG = {256: 6, 128: 5}
+
+
+def row_quad_enabled() -> bool:
+    """Whether few rows of 256 and 128 may run the quad forward: unless
+    ``NORMSPEC_ROW_QUAD=0`` (read at each call), as in the torch extension."""
+    return not _switched_off("NORMSPEC_ROW_QUAD")
+
+
+def quad_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
+                        w_raw: bool
+                        ) -> tuple[str, tuple[int, int, int], tuple[int, int, int]] | None:
+    """``(kernel name expression, grid, block)`` of the q/k forward in vectors of four
+    (``normspec::launch_detail::launch_quad``) for aligned rows, ``None`` where it does not
+    apply: rms and fused rows of 256 or 128 16-bit elements with a weight read as it is
+    (`w_raw`), whose one-row forward would be one pass of 32 or 16 lanes, and whose
+    four-element lanes number at most ``sm_count * 128``; 256-thread blocks."""
+    ll = _QUAD_LANES_LOG.get(hidden)
+    if (ll is None or not w_raw or dtype_code == DT_F32 or op not in (OP_RMS, OP_FUSED)
+            or rows << ll > sm_count * 128 or not row_quad_enabled()
+            or not full_row_forms_enabled()):
+        return None
+    if row_geometry(hidden, vec_of(dtype_code), op != OP_RMS, rows, sm_count) != (ll - 1, 1):
+        return None
+    return (f"normspec_fwd_quad_kernel<{op}, {CUDA_TYPES[dtype_code]}, {ll}>",
+            (grid_for(rows, 256 >> ll), 1, 1), (256, 1, 1))
+
+
 def _row_default_np(op: int) -> int:
     return 4 if op == OP_RMS else 2
 
@@ -838,6 +869,8 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_fwd_row_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
         *(f"normspec_fwd_row_kernel<{op}, {t}, {dnp}, {tl}>" for tl in range(1, 9)),
         *(f"normspec_fwd_row_kernel<{op}, {t}, 1, {tl}>" for tl in range(4, 9)),
+        *(f"normspec_fwd_quad_kernel<{op}, {t}, {ll}>" for ll in _QUAD_LANES_LOG.values()
+          if dtype_code != DT_F32 and op in (OP_RMS, OP_FUSED)),
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
         *(f"normspec_fwd_pipe_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
@@ -1499,6 +1532,9 @@ class KernelArgs(NamedTuple):
 #: backward's eight and eight
 _FWD_CODES = "QQQQQ" "qqqqqq" "ffi"
 _BWD_CODES = "QQQQQQQQ" "qqqqqqqq" "ffi"
+#: normspec_fwd_quad_kernel's: the five pointers, the rows (int32), four strides, eps,
+#: offset, the flags and rstd_out
+_QUAD_CODES = "QQQQQ" "i" "qqqq" "ffi" "Q"
 
 
 def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: KernelArgs,
@@ -1768,7 +1804,7 @@ PLAN_SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW",
                  "NORMSPEC_GATE_TABLE", "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM",
                  "NORMSPEC_GT_HF_FORM", "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W",
                  "NORMSPEC_GATED_BWD_PACKED_W", "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL",
-                 "NORMSPEC_ROW_BLOCK_SPREAD")
+                 "NORMSPEC_ROW_BLOCK_SPREAD", "NORMSPEC_ROW_QUAD")
 #: the flags a plan depends on (the others only travel to the kernels)
 _PLAN_FLAGS = F_ALIGNED | F_HF | F_SIGMOID | F_W_IS_INPUT
 #: plans kept before the cache starts again (shapes that vary without end, as the tokens
@@ -1803,7 +1839,8 @@ def _keep_plan(key: tuple, plan: Any) -> Any:
 
 class _FwdPlan(NamedTuple):
     """A forward's launch: ``form`` ``"gt"`` (the one-row forward reading the global gate
-    table), ``"row"`` (the one-row forward), ``"pipe"`` (the persistent forward) or
+    table), ``"row"`` (the one-row forward), ``"quad"`` (the q/k forward in vectors of
+    four), ``"pipe"`` (the persistent forward) or
     ``"reg"`` (the register or streaming kernels, which read an fp32 weight)."""
 
     form: str
@@ -1840,6 +1877,11 @@ def _forward_plan(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, f
                 return _keep_plan(key, _FwdPlan("gt", _kernel(dev, op, dt, name), grid, block,
                                                 team_log=team_log))
         if one_row and not wants_gate_table(op, dt, rows, hidden):
+            quad = quad_forward_launch(op, dt, rows, hidden, sm_count, as_is)
+            if quad is not None:
+                name, grid, block = quad
+                return _keep_plan(key, _FwdPlan("quad", _kernel(dev, op, dt, name), grid,
+                                                block))
             row = row_forward_launch(op, dt, rows, hidden, sm_count)
         if row is not None:
             name, grid, block, team_log = row
@@ -1915,6 +1957,10 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                     KernelArgs(_FWD_CODES + "iQ", (*args, plan.team_log, rstd_ptr)), plan.smem)
         elif plan.form == "reg":
             _launch(plan.fn, plan.grid, plan.block, KernelArgs(_FWD_CODES + "Q", (*args, rstd_ptr)))
+        elif plan.form == "quad":
+            # the pointers, the rows as int32, four strides (no H), eps, offset, flags, rstd
+            _launch(plan.fn, plan.grid, plan.block,
+                    KernelArgs(_QUAD_CODES, (*args[:5], a.rows, *args[7:], rstd_ptr)))
         else:
             # the one-row kernel also takes the team size (log2), then rstd_out and the
             # global gate table of the GT forms (else none)

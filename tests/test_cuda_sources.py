@@ -406,6 +406,35 @@ def test_one_pass_forward_scales_the_raw_weight_after_the_reduction(
     assert _offset_adds_around_the_reduction(text) == (before, after)
 
 
+QUAD_FORWARD_PROBE = r"""
+#include "normspec_pipe.cuh"
+template __global__ void normspec_fwd_quad_kernel<LL_OP, __nv_bfloat16, LL_LANES>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+    __nv_bfloat16*, int, long long, long long, long long, long long, float, float, int,
+    float*);
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("op", "lanes_log", "row_loads", "stores", "barriers", "shuffles"), [
+    (0, 6, 1, 1, 1, 5), (1, 6, 2, 2, 1, 5), (0, 5, 1, 1, 0, 6), (1, 5, 2, 2, 0, 6),
+], ids=["rms256", "fused256", "rms128", "fused128"])
+def test_quad_forward_shape(tmp_path, op, lanes_log, row_loads, stores, barriers, shuffles):
+    """The q/k forward in vectors of four: each lane loads its four x (and residual) values
+    and the weight's in 8-byte loads and stores 8 bytes (the fused op's new residual too);
+    five butterfly levels a warp; a row of 256 (two warps) folds the two warp sums through
+    shared memory behind one barrier, a row of 128 (one warp) broadcasts lane 0's sum
+    instead. notes/perf.md §49."""
+    source = QUAD_FORWARD_PROBE.replace("LL_OP", str(op)).replace("LL_LANES", str(lanes_log))
+    text = _entry(_ptx_of(tmp_path, source, "sm_90a", "-fmad=false"), "normspec_fwd_quad_kernel")
+    assert len(re.findall(r"\bld\.global\.L2::cache_hint\.v2\.u32\b", text)) == row_loads
+    assert len(re.findall(r"\bld\.global\.nc\.v2\.u32\b", text)) == 1  # the weight
+    assert len(re.findall(r"\bst\.global\.v2\.u32\b", text)) == stores
+    assert len(re.findall(r"\bbar\.sync\b", text)) == barriers
+    assert len(re.findall(r"\bshfl\.sync\.bfly\b", text)) == 5
+    assert len(re.findall(r"\bshfl\.sync\.", text)) == shuffles
+
+
 _BACKWARD_ARGS = """
     const __nv_bfloat16*, const __nv_bfloat16*, const void*, const __nv_bfloat16*,
     const __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, float*, long long, long long,

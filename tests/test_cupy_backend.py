@@ -322,6 +322,32 @@ def test_one_row_backward_and_dweight_stored_by_its_kernel(monkeypatch, ext):
     assert any(n.startswith("normspec_bwd_pipe_kernel<3, ") for n in names)  # from the sum
 
 
+def test_quad_forward_for_few_rows_of_256_and_128(monkeypatch, ext):
+    """Few rows of 256 or 128 16-bit values with a weight of their dtype run the forward in
+    vectors of four (``quad_forward_launch``) as in the torch extension, up to SMs x 128
+    lanes; past that, and with an fp32 weight, the warp teams: the spec's bits either way,
+    padded rows and the backward included."""
+    picked = record_calls(monkeypatch, "quad_forward_launch")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for seed, hidden in enumerate((128, 256)):
+        bound = sms * 128 // (64 if hidden == 256 else 32)
+        for rows in (1, 3, bound, bound + 1):
+            for dtype, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                  (torch.bfloat16, torch.float32)):
+                for op, params in (VARIANTS[1], VARIANTS[4]):
+                    layouts = {"x": "row_stride"} if rows == 3 else None
+                    check_torch(op, params, (rows, hidden), dtype, wdtype, seed, ext=ext,
+                                layouts=layouts)
+    quads = {p for p in picked if p is not None}
+    assert {p[0] for p in quads} == {f"normspec_fwd_quad_kernel<{op}, {t}, {ll}>"
+                                     for op in (0, 1) for t in ("__nv_bfloat16", "__half")
+                                     for ll in (5, 6)}
+    # four rows of 256 or eight of 128 a block: one block for 1 and 3 rows, SMs / 2 at the
+    # bound
+    assert {p[1] for p in quads} == {(1, 1, 1), (-(-sms // 2), 1, 1)}
+    assert {p[2] for p in quads} == {(256, 1, 1)}
+
+
 def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
     """x (randn) and a gate holding every one of the 2**16 bf16 values, shuffled, as
     rows_n x hidden bf16 rows (rows_n * hidden a multiple of 2**16)."""

@@ -54,7 +54,7 @@ SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW", "NORMSPEC_
             "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE", "NORMSPEC_GATE_TABLE",
             "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM", "NORMSPEC_GT_HF_FORM",
             "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W", "NORMSPEC_GATED_BWD_PACKED_W",
-            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL", "NORMSPEC_PDL")
+            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL", "NORMSPEC_PDL", "NORMSPEC_ROW_QUAD")
 
 #: the launcher's other variables, which the CuPy backend does not read: why
 NOT_MIRRORED = {
@@ -372,6 +372,23 @@ def test_bwd_row_wide_experiment_matches_the_torch_extension(launch_probe, monke
     calls = _calls(("rms",), (cb.DT_BF16,), (256, 2048), (64, 1000, 2000, 8192))
     env = {"NORMSPEC_BWD_ROW_WIDE": "2", "NORMSPEC_ROW_BLOCK_SPREAD": "1"}
     assert _check(launch_probe, calls, monkeypatch, env) > 20
+
+
+def test_quad_forward_bound_matches_the_torch_extension(launch_probe, monkeypatch):
+    """The q/k forward in vectors of four up to ``132 * 128`` lanes (264 rows of 256, 528
+    of 128 on the probe's 132 SMs) and the warp teams past it: the same launches, and the
+    C++ launcher's own choice on both sides of the bound."""
+    calls = _calls(("rms", "fused-rounded"), (cb.DT_BF16, cb.DT_F16), (128, 256),
+                   (264, 265, 528, 529))
+    assert _check(launch_probe, calls, monkeypatch, {}) > 50
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NORMSPEC_")}
+    quad = {(c.op, c.hidden, c.rows, c.wdt == c.dt)
+            for c, (launches, _) in zip(calls, cpp_launches(launch_probe, calls, env),
+                                        strict=True)
+            if any(name.startswith("normspec_fwd_quad_kernel<") for name, *_ in launches)}
+    # a weight of the input dtype only (read as it is), forward only
+    assert quad == {(op, hidden, rows, True) for op in ("rms", "fused-rounded")
+                    for hidden, rows in ((256, 264), (128, 264), (128, 265), (128, 528))}
 
 
 def test_every_launcher_switch_is_mirrored_or_declared():

@@ -773,7 +773,7 @@ def test_launch_shapes():
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
             # forward: 3 general one-row forms, 8 + 5 constant ones, 3 register, 1 streaming,
-            # 3 general persistent ones;
+            # 3 general persistent ones, and for 16-bit rms and fused the 2 quad forms;
             # backward: 3 register, 1 streaming, 2 x (3 general + 4 constant) pipelined
             # (recomputing and reading the saved rstd), the rms norm's 2 x 5 one-row
             # forms; the tree kernel and the last one for an fp32 weight and, but for
@@ -781,7 +781,8 @@ def test_launch_shapes():
             # 6 x 5 GT row forms, 2 x 4 constant persistent forward forms, 8 + 8 gate-table
             # backward forms (pipelined, pair);
             # OP_FUSED_SUM: the backward alone
-            forward = 0 if op == cb.OP_FUSED_SUM else 23
+            quad = 2 if op in (cb.OP_RMS, cb.OP_FUSED) and dt != cb.DT_F32 else 0
+            forward = 0 if op == cb.OP_FUSED_SUM else 23 + quad
             extra = {cb.OP_RMS: 10, cb.OP_GATED: 55 if dt == cb.DT_BF16 else 0}.get(op, 0)
             tree = 2 if dt == cb.DT_F32 else 3
             assert len(names) == len(set(names)) == forward + 18 + tree + extra
@@ -1269,8 +1270,13 @@ def test_every_kernel_compiles_to_sm90_cubin(op, dt):
     pair = "PKT_S[0-9]_PKvS[0-9]_PS[0-9]_S[0-9]_PfiiiiiifiiiPKf$"
     # the persistent forward: the one-row forward's arguments but the global gate table
     fwd_pipe = "PKT0_S[0-9]_PKvPS[0-9]_S[0-9]_xxxxxxffiiPf$"
+    # the quad forward: x, r and the weight (T), y, y2, the rows in 32 bits, 4 strides,
+    # eps, offset, flags, rstd_out
+    quad = "PKT0_S[0-9]_S[0-9]_PS[0-9]_S[0-9]_ixxxxffiPf$"
     for name, low in mapping.items():
-        if name.startswith("normspec_fwd_row"):
+        if name.startswith("normspec_fwd_quad"):
+            assert re.search(quad, low), (name, low)
+        elif name.startswith("normspec_fwd_row"):
             assert re.search(row, low), (name, low)
         elif name.startswith("normspec_fwd_pipe"):
             assert re.search(fwd_pipe, low), (name, low)

@@ -215,6 +215,34 @@ def test_small_row_geometry_is_bitwise(op, params, hidden, lanes):
                    specials=seed % 2 == 0)
 
 
+@pytest.mark.parametrize("hidden", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_quad_forward_by_rows(dtype, hidden):
+    """Few rows of 256 or 128 16-bit values with a weight of their dtype run the forward in
+    vectors of four (``normspec_fwd_quad_kernel``: two warps a row of 256, one a row of
+    128) while its lanes number at most SMs x 128, the warp teams past that: the spec's
+    bits either way (rms, fused in both residual conventions, padded rows, the saved rstd
+    and the backward after it), and the forward's kernel by rows."""
+    import os
+
+    if GEOMETRY_VARIABLES & set(os.environ):
+        pytest.skip("a launcher switch or geometry override is set")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bound = sms * 128 // (64 if hidden == 256 else 32)
+    for rows in (1, 3, 64, bound, bound + 1):
+        for op, params in (VARIANTS[1], VARIANTS[3], VARIANTS[5]):
+            layouts = {"x": "row_stride", "residual": "row_stride"} if rows == 3 else None
+            check_case(op, params, (rows, hidden), dtype, dtype, rows, specials=rows != 64,
+                       layouts=layouts)
+        op, params = VARIANTS[1]
+        inputs, weight, _ = make_case(op, params, (rows, hidden), dtype, dtype, 0,
+                                      specials=False)
+        call = (op, {k: v.cuda() for k, v in inputs.items()}, weight.cuda(), EPS, params)
+        names = cuda_kernel_names(lambda a=call: ext_forward(*a))
+        want = "normspec_fwd_quad_kernel" if rows <= bound else "normspec_fwd_row_kernel"
+        assert len(names) == 1 and want in names[0], (rows, names)
+
+
 def test_many_rows_dweight_tree():
     # many groups in the workspace tree, a non-power-of-two row count
     check_case("rms_norm", {"offset": 0.0}, (100003, 64), torch.float32, torch.float32, 3,
@@ -586,6 +614,7 @@ OVERRIDES = [
     {"NORMSPEC_ROW_BLOCK": "32"},
     {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
     {"NORMSPEC_ROW_BLOCK_SPREAD": "1"},  # few rows of warp teams: 64-thread blocks
+    {"NORMSPEC_ROW_QUAD": "0"},  # few rows of 256 and 128: the warp teams, not the quad form
     {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
     {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
     {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups

@@ -24,6 +24,9 @@
 //   NORMSPEC_ROW_BLOCK=<threads>  (threads per block of the one-row forward for teams
 //                                  of at most 32 lanes: a power of two, 32..256;
 //                                  default: row_block)
+//   NORMSPEC_ROW_QUAD=0  (the one-pass rms and fused forwards of few 16-bit rows of 256
+//                         and 128 in the warp teams' form, not in vectors of four;
+//                         launch_quad)
 //   NORMSPEC_GATED_ROW_TABLE=0  (large bf16 gated forwards on the persistent kernel
 //                                with a gate table per block in shared memory, instead
 //                                of one row per team reading a table in global memory;
@@ -769,26 +772,43 @@ bool forward_row_with_global_table(const LaunchArgs& a, cudaStream_t stream) {
   }
 }
 
-// NORMSPEC_ROW_QUAD (build time, an experiment; normspec_fwd_quad_kernel): the one-pass
-// rms and fused forwards of 16-bit rows of 256 (teams of 32 lanes) and 128 (16) with a
-// weight of the input dtype, four elements a lane. Blocks of 256 threads, or
-// NORMSPEC_ROW_BLOCK's (at least a row's lanes).
+// The q/k forward in vectors of four (normspec_fwd_quad_kernel): the one-pass rms and
+// fused forwards of 16-bit rows of 256 (teams of 32 lanes: two warps a row) and 128 (16:
+// one warp) with a weight read as it is, in 256-thread blocks, where the launch has at
+// most 128 of its threads an SM (256 rows of 256 or 512 of 128 on an H200), unless
+// NORMSPEC_ROW_QUAD=0. On the H200 (CUPTI kernel durations, two passes, equal bits;
+// bench/results/probes/row_quad_rows_6bb6202_H200.txt, notes/perf.md §49), warm / after
+// the 256 MiB flush, us: 64 x 256 1.22 -> 1.18 / 1.39 -> 1.28, 256 x 256 1.28 -> 1.22 /
+// 1.41 -> 1.34, 64 x 128 1.22 -> 1.09 / 1.38 -> 1.18, 512 x 128 1.30 -> 1.18 / 1.41 ->
+// 1.28; past the bound it lost (512 x 256 1.31 -> 1.42, 1024 x 128 1.31 -> 1.38, 4096 x
+// 256 2.02 -> 2.22).
+inline bool row_quad_enabled() {
+  static const bool on = !switched_off("NORMSPEC_ROW_QUAD");
+  return on;
+}
+// log2 of the quad form's lanes a row for this launch, 0 where it does not apply
 template <int OP, typename T>
-bool launch_quad(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream) {
-#if NORMSPEC_ROW_QUAD
+int quad_lanes_log(const LaunchArgs& a, const PipeGeometry& g) {
+  if (sizeof(T) != 2 || OP == OP_GATED || !row_quad_enabled() || !full_row_forms_enabled() ||
+      a.w_in_dtype == nullptr || !(a.flags & F_ALIGNED) || !aligned16(a.w_in_dtype))
+    return 0;
+  const int ll = a.H == 256 && g.team_log == 5 ? 6 : (a.H == 128 && g.team_log == 4 ? 5 : 0);
+  if (ll == 0 || (a.rows << ll) > static_cast<long long>(device_sms()) * 128) return 0;
+  return ll;
+}
+template <int OP, typename T>
+bool launch_quad(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream) {
   if constexpr (sizeof(T) == 2 && OP != OP_GATED) {
-    const bool fits = (a.H == 256 && g.team_log == 5) || (a.H == 128 && g.team_log == 4);
-    if (!fits || !full_row_forms_enabled() || !row_index_fits_32(a.rows) ||
-        a.w_in_dtype == nullptr || !(a.flags & F_ALIGNED) || !aligned16(a.w_in_dtype))
-      return false;
-    const int ll = a.H == 256 ? 6 : 5;
-    int block = row_block_override() ? row_block_override() : 256;
-    if (block < (1 << ll)) block = 1 << ll;
+    const int ll = quad_lanes_log<OP, T>(a, g);
+    if (ll == 0) return false;
+    const void* w = nullptr;
+    take_pipe_weight(a, w);  // the weight as it is, F_W_RAW set as for the row kernels
+    constexpr int block = 256;
     const unsigned grid = grid_for(a.rows, block >> ll);
     auto go = [&](auto kernel) {
       kernel<<<grid, block, 0, stream>>>(
-          static_cast<const T*>(a.x), static_cast<const T*>(a.r),
-          static_cast<const T*>(a.w_in_dtype), static_cast<T*>(a.y), static_cast<T*>(a.y2),
+          static_cast<const T*>(a.x), static_cast<const T*>(a.r), static_cast<const T*>(w),
+          static_cast<T*>(a.y), static_cast<T*>(a.y2),
           static_cast<int>(a.rows), a.sx, a.sr, a.sy, a.sy2, a.eps, a.offset, a.flags,
           a.rstd_out);
     };
@@ -799,7 +819,6 @@ bool launch_quad(const LaunchArgs& a, const PipeGeometry& g, cudaStream_t stream
     }
     return true;
   }
-#endif
   static_cast<void>(a), static_cast<void>(g), static_cast<void>(stream);
   return false;
 }

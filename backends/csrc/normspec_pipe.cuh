@@ -1365,17 +1365,16 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   }
 }
 
-// ---- the q/k forward in vectors of four (an experiment) ---------------------------
-// NORMSPEC_ROW_QUAD (build time, default 0; notes/perf.md §49): the rms and fused forwards
-// of rows of 4 * 2**LL 16-bit elements (256: LL 6, two warps a row; 128: LL 5, one warp)
-// with a weight of the input dtype, four elements a lane (8-byte loads and stores)
-// instead of eight (the one-pass forms of teams of 32 and 16 lanes): torch.compile's
-// shape for 64 x 256, whose kernel led ours warm by 0.14-0.19 us (§48). The same tree:
-// each lane's four squares in two levels, five shuffle levels a warp, and with two warps
-// their sums from shared memory, the left warp's first.
-#ifndef NORMSPEC_ROW_QUAD
-#define NORMSPEC_ROW_QUAD 0
-#endif
+// ---- the q/k forward in vectors of four ----------------------------------------------
+// The rms and fused forwards of rows of 4 * 2**LL 16-bit elements (256: LL 6, two warps a
+// row; 128: LL 5, one warp) with a weight of the input dtype, four elements a lane (8-byte
+// loads and stores) instead of the one-pass warp teams' eight: torch.compile's shape for
+// 64 x 256, whose kernel led ours warm by 0.14-0.19 us (notes/perf.md §48). A lane's
+// chain from its loads to its store is about half as long; the launcher takes it for
+// launches of few rows (launch_quad in normspec_launch_impl.cuh, where the times are),
+// since with more the second warp's instructions cost more than the shorter chain saves.
+// The same tree: each lane's four squares in two levels, five shuffle levels a warp, and
+// with two warps their sums from shared memory, the left warp's first.
 namespace normspec {
 // 8 bytes of a row, with the 16-byte loads' L2 policy (load_row_vector)
 __device__ __forceinline__ uint2 load_row_half(const void* p) {

@@ -68,6 +68,12 @@ the same bits; these variables only change speed (read once per process):
 * ``NORMSPEC_ROW_BLOCK``: threads per block of the one-row forward where its teams
   have at most 32 lanes (a power of two, 32..256; default 256, or one warp for
   launches of at least 8 waves of the device's resident threads);
+* ``NORMSPEC_ROW_QUAD=0``: the rms and fused forwards of few 16-bit rows of 256 or 128
+  elements (at most 128 threads an SM: 256 rows of 256 or 512 of 128 on an H200) with
+  a weight of the input dtype run the one-pass form of 32- or 16-lane teams, eight
+  elements a lane, instead of ``normspec_fwd_quad_kernel``'s four a lane (two warps a
+  row of 256; on an H200, 64 x 256 bf16 forward kernels: 1.18 us against 1.22 warm,
+  1.28 against 1.39 after an L2 flush; the CuPy backend reads it too);
 * ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (an experiment, off by default): where those teams
   would fill fewer 256-thread blocks than the device has SMs (64 x 256 bf16: yes,
   4096 x 256: no), 64-thread blocks, so that few rows spread over more SMs (the CuPy
