@@ -6,11 +6,13 @@ lazily, one module per (operator, dtype) holding every template instantiation th
 module launches, cached on disk (next to CuPy's kernel cache) and memoised per
 process and device. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
 in Python. Aligned rows of at most 1024 vectors run, as in the torch extension, the
-one-row forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``) and the
-pipelined backward (``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``,
-``pipe_backward_launch``; persistent teams with their dweight stacks, weight factors
-and, for large bf16 gated launches, the gate table in shared memory, past 48 KiB with
-the device's opt-in); other rows run the register and streaming kernels
+one-row forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``; few
+16-bit rows of 256 or 128 with a weight of their dtype the q/k forward in vectors of
+four, ``normspec_fwd_quad_kernel``: ``quad_forward_launch``) and the pipelined backward
+(``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``, ``pipe_backward_launch``;
+persistent teams with their dweight stacks, weight factors and, for large bf16 gated
+launches, the gate table in shared memory, past 48 KiB with the device's opt-in); other
+rows run the register and streaming kernels
 (``geometry``, ``backward_plan``). Where a large bf16 gated forward wants a gate table
 but the global table's forms do not take it, the persistent forward runs, each block
 building the table in its shared memory (``pipe_forward_launch``), as in the extension;
