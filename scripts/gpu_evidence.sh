@@ -5,7 +5,7 @@
 # after installing nox, fla-core, liger-kernel and megatron-core (on the lent
 # H200: `source .whl/prelude.sh` with the wheels of ../shared/device/fetch-wheels.sh).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [raw-weight] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [raw-weight] [quad] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
@@ -172,6 +172,24 @@ for s in $stages; do
             --backend torch_ext --calls 100 --rounds 2 --out "$LOGS/raw-weight-$form-$pass"
           cp "$LOGS/raw-weight-$form-$pass/launch_overhead.json" \
             "bench/results/probes/raw_weight_${form}_${pass}_${commit}.json" 2>/dev/null
+        done
+      done ;;
+    quad)  # the q/k forward in vectors of four for few rows (the default since e78ff9d)
+      # against the warp teams (NORMSPEC_ROW_QUAD=0, a run-time switch: one build), rows on
+      # both sides of its bound: CUPTI kernel durations, flushed and warm, two passes
+      # alternating, into bench/results/probes/ (notes §49)
+      mkdir -p bench/results/probes
+      for pass in 1 2; do
+        for form in default off; do
+          quad=1
+          [ "$form" = off ] && quad=0
+          run ${LAUNCH_LIMIT:-400} "quad-$form-$pass" env NORMSPEC_ROW_QUAD=$quad \
+            python3 bench/micro/launch_overhead.py --case norm:64:256 --case norm:256:256 \
+            --case norm:512:256 --case norm:64:128 --case norm:512:128 --case norm:1024:128 \
+            --direction forward --flush-mib 1 --flush-mib 256 --backend torch_ext \
+            --backend cupy --calls 100 --rounds 2 --out "$LOGS/quad-$form-$pass"
+          cp "$LOGS/quad-$form-$pass/launch_overhead.json" \
+            "bench/results/probes/row_quad_${form}_${pass}_${commit}.json" 2>/dev/null
         done
       done ;;
     weight-early)  # the one-row forward with the weight loaded with the row (the default

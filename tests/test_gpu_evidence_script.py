@@ -26,7 +26,7 @@ PYTHON_EXTRA = """json=
 [ "$1" = bench/repeat.py ] && json=repeat.json
 if [ "$1" = bench/micro/launch_overhead.py ]; then
   json=launch_overhead.json
-  echo "  defines=${NORMSPEC_BUILD_DEFINES:-}" >> "$STUB_LOG"
+  echo "  defines=${NORMSPEC_BUILD_DEFINES:-} quad=${NORMSPEC_ROW_QUAD:-}" >> "$STUB_LOG"
 fi
 if [ -n "$json" ]; then
   prev=
@@ -39,7 +39,8 @@ fi"""
 STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
                    "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
                    "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
-                   "TESTS_WORKERS", "OFF32_ROUNDS", "DEPTH2_ROUNDS", "SKIP_BUILD")
+                   "TESTS_WORKERS", "OFF32_ROUNDS", "DEPTH2_ROUNDS", "SKIP_BUILD",
+                   "NORMSPEC_ROW_QUAD")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -144,13 +145,30 @@ def test_raw_weight_times_both_builds_alternately_and_keeps_each_run(run_stage):
     lines = run_stage("raw-weight")
     runs = [i for i, ln in enumerate(lines) if "bench/micro/launch_overhead.py" in ln]
     assert [lines[i + 1].strip() for i in runs] == [
-        "defines=", "defines=NORMSPEC_ROW_W_RAW_ONE=0"] * 2
+        "defines= quad=", "defines=NORMSPEC_ROW_W_RAW_ONE=0 quad="] * 2
     for i in runs:
         assert "--case norm:64:256" in lines[i] and "--backend torch_ext" in lines[i]
         assert "--flush-mib 1 --flush-mib 256" in lines[i]
     saved = sorted(p.name for p in (run_stage.tree / "bench/results/probes").iterdir())
     assert saved == [f"raw_weight_{form}_{n}_abc1234.json"
                      for form in ("default", "old") for n in (1, 2)]
+
+
+def test_quad_times_the_switch_both_ways_alternately_and_keeps_each_run(run_stage):
+    """The quad stage: launch_overhead.py over few q/k rows on both sides of the quad
+    form's bound, NORMSPEC_ROW_QUAD=1 and =0 in turn (a run-time switch: the one default
+    build), twice, both CUDA backends, each run's JSON kept by form and pass."""
+    lines = run_stage("quad")
+    runs = [i for i, ln in enumerate(lines) if "bench/micro/launch_overhead.py" in ln]
+    assert [lines[i + 1].strip() for i in runs] == ["defines= quad=1", "defines= quad=0"] * 2
+    for i in runs:
+        assert "--case norm:256:256 --case norm:512:256" in lines[i]
+        assert "--backend torch_ext --backend cupy" in lines[i]
+        assert "--flush-mib 1 --flush-mib 256" in lines[i]
+    assert sum(ln == "normspec build" for ln in lines) == 1
+    saved = sorted(p.name for p in (run_stage.tree / "bench/results/probes").iterdir())
+    assert saved == [f"row_quad_{form}_{n}_abc1234.json"
+                     for form in ("default", "off") for n in (1, 2)]
 
 
 def test_racecheck_runs_both_sanitizer_tools_on_our_kernels_and_keeps_their_logs(run_stage):
