@@ -1438,7 +1438,8 @@ __global__ void __launch_bounds__(256)
   for (int j = 0; j < 4; ++j) sq[j] = mul(v[j], v[j]);
   float part = add(add(sq[0], sq[1]), add(sq[2], sq[3]));
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) part = add(part, __shfl_xor_sync(0xffffffffu, part, off));
+  for (int off = 1; off < 32; off <<= 1)
+    part = add(part, __shfl_xor_sync(0xffffffffu, part, off));
   if constexpr (LL == 6) {
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = part;
     __syncthreads();
@@ -1453,7 +1454,8 @@ __global__ void __launch_bounds__(256)
   float g[4], out[4];
   unpack4<T>(wr, g);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = mul(mul(v[j], rstd), scale_weight(g[j], flags & F_OFFSET, offset));
+  for (int j = 0; j < 4; ++j)
+    out[j] = mul(mul(v[j], rstd), scale_weight(g[j], flags & F_OFFSET, offset));
   store4<T>(y + row * sy + tcol, out);
   if constexpr (OP == OP_FUSED) store4<T>(y2 + row * sy2 + tcol, v);
 }
