@@ -790,7 +790,7 @@ inline bool row_quad_enabled() {
 template <int OP, typename T>
 int quad_lanes_log(const LaunchArgs& a, const PipeGeometry& g) {
   if (sizeof(T) != 2 || OP == OP_GATED || !row_quad_enabled() || !full_row_forms_enabled() ||
-      a.w_in_dtype == nullptr || !(a.flags & F_ALIGNED) || !aligned16(a.w_in_dtype))
+      a.w_in_dtype == nullptr || !(a.flags & F_ALIGNED))  // F_ALIGNED: the weight's too
     return 0;
   const int ll = a.H == 256 && g.team_log == 5 ? 6 : (a.H == 128 && g.team_log == 4 ? 5 : 0);
   if (ll == 0 || (a.rows << ll) > static_cast<long long>(device_sms()) * 128) return 0;
