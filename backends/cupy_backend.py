@@ -1667,9 +1667,30 @@ def _launch_driver(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args:
             configs.clear()
         config = configs[key] = ctypes.pointer(_CuLaunchConfig(
             _pad_dims(grid), _pad_dims(block), shared_mem, stream or None, attrs, num_attrs))
-    status = launch(config, fn.kernel.ptr, _packed_params(args), None)
+    params = _packed_params(args)
+    status = launch(config, fn.kernel.ptr, params, None)
+    if status == _CUDA_ERROR_INVALID_CONTEXT:  # rare: a thread's first CUDA work
+        _bind_primary_context()
+        status = launch(config, fn.kernel.ptr, params, None)
     if status != 0:
         raise _driver_error(status, "cuLaunchKernelEx")
+
+
+#: cuda.h's CUDA_ERROR_INVALID_CONTEXT: no context is current in the calling thread
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _bind_primary_context() -> None:
+    """Makes the current device's primary context current in the calling thread.
+
+    A thread that no CUDA runtime call has touched has no current context: the runtime
+    binds one lazily at its first call, the driver's launch does not and fails with
+    ``CUDA_ERROR_INVALID_CONTEXT``. Autograd's device thread can reach the CuPy backward
+    before any runtime call there; it did on the H200 (notes/perf.md §50).
+    ``cudaSetDevice`` binds the device's primary context and makes it current at once
+    (CUDA 12.0+, ``cuda_runtime_api.h``)."""
+    runtime = _cupy().cuda.runtime
+    runtime.setDevice(runtime.getDevice())
 
 
 def _packed_params(args: KernelArgs) -> Any:

@@ -4,6 +4,12 @@ caller's current stream. Skipped without a GPU or without CuPy."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+import sys
+import textwrap
+import threading
+
 import pytest
 import torch
 from _torch_ext_cases import (
@@ -592,6 +598,83 @@ def test_cupy_current_stream_is_used():
         y = cb.rms_norm(late, aw, eps=EPS)
     s.synchronize()
     assert_bits(_to_torch(y), want, "forward on CuPy's current stream")
+
+
+def _current_context() -> int | None:
+    """The driver's current context in the calling thread (``None``: none)."""
+    ctx = ctypes.c_void_p()
+    assert ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return ctx.value
+
+
+def test_a_thread_without_a_current_context(monkeypatch):
+    """A thread that no CUDA runtime call has touched yet has no current context, which a
+    driver launch needs: the backend binds the primary context and launches (the H200 once
+    failed autograd's first backward so, notes/perf.md §50). Forward and backward there
+    give the spec's bits; the thread's first launch met no context."""
+    x = torch.randn(64, 2048, dtype=torch.bfloat16)
+    w = torch.randn(2048, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    want = spec.rms_norm(x, w, eps=EPS, offset=1.0)
+    want_g = spec.rms_norm_backward(dy, x, w, eps=EPS, offset=1.0)
+    cx, cw, cdy = x.cuda(), w.cuda(), dy.cuda()
+    # the same calls here first: compiled, and their outputs' blocks in torch's cache
+    cb.rms_norm_backward(cdy, cx, cw, eps=EPS, offset=1.0)
+    cb.rms_norm(cx, cw, eps=EPS, offset=1.0)
+    torch.cuda.synchronize()
+    launch = cb._cu_launch_kernel_ex()
+    seen = []  # the context current at each launch in the thread
+
+    def recording_launch(*args):
+        seen.append(_current_context())
+        return launch(*args)
+
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: recording_launch)
+    result = {}
+
+    def fresh_thread():
+        try:
+            result["before"] = _current_context()
+            result["y"] = cb.rms_norm(cx, cw, eps=EPS, offset=1.0)
+            result["g"] = cb.rms_norm_backward(cdy, cx, cw, eps=EPS, offset=1.0)
+            torch.cuda.synchronize()
+        except BaseException as e:  # handed to the test's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    assert result["before"] is None, "a new thread began with a current context"
+    assert seen and seen[0] is None, f"the thread's first launch met a context: {seen}"
+    assert_bits(result["y"], want, "forward in a fresh thread")
+    for name, g, wg in zip(("dx", "dweight"), result["g"], want_g, strict=True):
+        assert_bits(g, wg, f"{name} in a fresh thread")
+
+
+def test_autograd_backward_first_in_a_fresh_process():
+    """A new process whose first backward is the CuPy norm's: autograd's device thread
+    reaches our launch first (the H200's failure of notes/perf.md §50). Its gradients
+    equal the explicit backward's bits."""
+    script = textwrap.dedent("""
+        import torch
+        from normspec.backends import cupy_backend as cb
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1, 2048, generator=g).bfloat16().cuda().requires_grad_(True)
+        w = torch.randn(2048, generator=g).bfloat16().cuda().requires_grad_(True)
+        dy = torch.randn(1, 2048, generator=g).bfloat16().cuda()
+        y = cb.rms_norm(x, w, eps=1e-6, offset=1.0)
+        dx, dw = torch.autograd.grad(y, [x, w], dy)
+        ex, ew = cb.rms_norm_backward(dy, x.detach(), w.detach(), eps=1e-6, offset=1.0)
+        same = [torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for a, b in ((dx, ex), (dw, ew))]
+        print("SAME", same)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SAME [True, True]" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 def test_repeated_calls_and_disk_cache(monkeypatch, tmp_path):

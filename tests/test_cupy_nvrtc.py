@@ -485,6 +485,43 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
         cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
 
 
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_launch_without_a_current_context_binds_one_and_retries(chained, monkeypatch):
+    """Where the driver finds no current context (CUDA_ERROR_INVALID_CONTEXT, a thread no
+    runtime call has touched), the launch makes the current device's primary context
+    current through ``cudaSetDevice`` and is tried once more; a second failure is raised.
+    Other failures are raised at once, with nothing bound."""
+    statuses, seen, set_device = [], [], []
+
+    def driver_call(config, function, params, extra):
+        seen.append((config.contents.num_attrs, function))
+        return statuses.pop(0)
+
+    runtime = types.SimpleNamespace(getDevice=lambda: 3, setDevice=set_device.append)
+    stream = types.SimpleNamespace(ptr=0x5000)
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: stream, runtime=runtime))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
+    args = cb.KernelArgs("Qi", (0x1000, 5))
+    launch = lambda: cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=chained)  # noqa: E731
+    attrs = 1 if chained else 0
+    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT, 0]
+    launch()
+    assert seen == [(attrs, 0x99)] * 2 and set_device == [3] and not statuses
+    seen.clear(), set_device.clear()
+    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT] * 2
+    with pytest.raises(RuntimeError, match=r"CUDA_ERROR_INVALID_CONTEXT|CUresult 201$"):
+        launch()
+    assert len(seen) == 2 and set_device == [3]
+    seen.clear(), set_device.clear()
+    statuses[:] = [1]  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match=r"CUDA_ERROR_INVALID_VALUE|CUresult 1$"):
+        launch()
+    assert len(seen) == 1 and not set_device
+
+
 @pytest.mark.parametrize("driver", [True, False])
 def test_plain_launches_through_the_driver(driver, monkeypatch):
     """Plain launches call the driver's ``cuLaunchKernelEx`` without launch attributes,
