@@ -134,7 +134,8 @@ def test_time_call_orders_flush_sleep_events_and_closes_the_last_call(monkeypatc
 def test_main_names_bad_arguments(capsys):
     for argv, message in ((["--flush-mib", "0"], "--flush-mib: expected 1 MiB or more"),
                           (["--calls", "2"], "--calls >= 5"),
-                          (["--case", "norm:64"], "--case: expected KIND:ROWS:H")):
+                          (["--case", "norm:64"], "--case: expected KIND:ROWS:H"),
+                          (["--dtype", "float32"], "--dtype: invalid choice")):
         with pytest.raises(SystemExit) as exc:
             lo.main(argv)
         assert exc.value.code == 2
@@ -153,8 +154,9 @@ def test_main_times_each_case_before_building_the_next(monkeypatch, tmp_path, ca
     previous one was timed would recompile inside the timing; and the JSON's medians."""
     log = []
 
-    def fake_calls(case, backends, directions):
+    def fake_calls(case, backends, directions, dtype):
         log.append(f"build {case[1]}")
+        assert dtype == torch.float16
         if case[1] == 64:  # the first case's rows are on disk before the second is built
             done = json.loads((tmp_path / "launch_overhead.json").read_text())["rows"]
             assert [r["case"] for r in done] == ["1x2048", "1x2048"]
@@ -179,12 +181,14 @@ def test_main_times_each_case_before_building_the_next(monkeypatch, tmp_path, ca
     monkeypatch.setattr(lo, "time_call", fake_time_call)
     assert lo.main(["--case", "norm:1:2048", "--case", "norm:64:256", "--flush-mib", "1",
                     "--backend", "torch_ext", "--backend", "liger", "--direction", "forward",
-                    "--calls", "5", "--rounds", "2", "--out", str(tmp_path)]) == 0
+                    "--dtype", "float16", "--calls", "5", "--rounds", "2",
+                    "--out", str(tmp_path)]) == 0
     first_of_64 = log.index("build 64")
     assert all(e.startswith("call 1 ") for e in log[1:first_of_64])
     assert len(log[1:first_of_64]) == 2 * 5 + 2 * 2 * 2  # warm-up, then 2 rounds x 2 loops
     data = json.loads((tmp_path / "launch_overhead.json").read_text())
     assert data["cases"] == ["1x2048", "64x256"] and data["device"] == "fake GPU"
+    assert data["dtype"] == "float16"
     assert [(r["case"], r["backend"]) for r in data["rows"]] == [
         ("1x2048", "peer0"), ("1x2048", "peer1"), ("64x256", "peer0"), ("64x256", "peer1")]
     row = data["rows"][0]

@@ -30,7 +30,7 @@ repository root)::
 
     python3 bench/micro/launch_overhead.py [--case norm:1:2048 ...] [--flush-mib 256
         --flush-mib 1] [--backend torch_ext --backend compile --backend liger]
-        [--direction forward] [--calls 100] [--rounds 2] [--out DIR]
+        [--direction forward] [--dtype bfloat16] [--calls 100] [--rounds 2] [--out DIR]
 
 Prints a table of medians (µs) and writes ``launch_overhead.json`` under ``--out`` (again
 after each case, so that a run cut short keeps the cases it finished): per
@@ -65,6 +65,8 @@ FLUSH_PATTERN = re.compile(r"fill|memset", re.IGNORECASE)
 DEFAULT_CASES = ("norm:1:2048", "norm:64:256", "norm:64:2048", "norm:4096:2048")
 DEFAULT_BACKENDS = ("torch_ext", "compile", "liger")
 FIELDS = ("event_plain", "event", "lead", "span", "kernels", "rest")
+#: ``--dtype``'s choices
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Kernel(NamedTuple):
@@ -167,17 +169,18 @@ def time_call(call: Callable[[], object], flush, cycles: int, calls: int,
     return [s.elapsed_time(e) * 1e3 for s, e in events], _gpu_activities(prof)
 
 
-def _calls(case: tuple[str, int, int], backends: Sequence[str],
-           directions: Sequence[str]) -> dict[tuple[str, str], Callable[[], object]]:
+def _calls(case: tuple[str, int, int], backends: Sequence[str], directions: Sequence[str],
+           dtype: torch.dtype = torch.bfloat16) -> dict[tuple[str, str], Callable[[], object]]:
     """``(backend, direction) -> call`` of the rms norm case for the backends whose names
-    contain one of ``backends``, as ``bench/run.py`` times them (forward without grad)."""
+    contain one of ``backends``, as ``bench/run.py`` times them (forward without grad), on
+    rows and a weight of ``dtype``."""
     kind, rows, hidden = case
     if kind != "norm":
         raise ValueError(f"--case: only the rms norm (norm:ROWS:H) is timed here, got {kind!r}")
     torch._dynamo.reset()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    w = (0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+    w = (0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
     out = {}
     for name, fn in br.peers_norm(w).items():
         if not any(b in name for b in backends):
@@ -240,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"repeatable (default: {', '.join(DEFAULT_BACKENDS)})")
     p.add_argument("--direction", action="append", default=[],
                    choices=("forward", "backward"), help="repeatable (default: both)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="the rows' and the weight's dtype (default: bfloat16, the bench's)")
     p.add_argument("--calls", type=int, default=100, help="timed calls per round (>= 5)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (>= 1)")
     p.add_argument("--out", type=Path, default=Path("."), help="folder for the JSON")
@@ -267,11 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     dest = args.out / "launch_overhead.json"
     head = {"device": torch.cuda.get_device_name(), "calls": args.calls,
-            "rounds": args.rounds, "git": git_state(), "command": "python3 " + " ".join(sys.argv),
+            "rounds": args.rounds, "dtype": args.dtype, "git": git_state(),
+            "command": "python3 " + " ".join(sys.argv),
             "hide_host_ms": dt.HIDE_HOST_MS, "cases": [f"{r}x{h}" for _, r, h in cases]}
     rows = []
     for case in cases:
-        calls = _calls(case, br.BACKEND_FILTER, directions)
+        calls = _calls(case, br.BACKEND_FILTER, directions, DTYPES[args.dtype])
         if not calls:
             p.error(f"no backend matched --backend {list(br.BACKEND_FILTER)}")
         for call in calls.values():
