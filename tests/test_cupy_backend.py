@@ -677,6 +677,43 @@ def test_autograd_backward_first_in_a_fresh_process():
     assert "SAME [True, True]" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
+def test_first_call_of_a_fresh_process_in_a_fresh_thread():
+    """A new process whose first CuPy norm runs in a new thread: the thread loads the
+    module and launches with no context of its own (the main thread's allocations bound
+    one only there). Forward and backward equal the main thread's bits after it."""
+    script = textwrap.dedent("""
+        import threading
+        import torch
+        from normspec.backends import cupy_backend as cb
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(64, 2048, generator=g).bfloat16().cuda()
+        w = torch.randn(2048, generator=g).bfloat16().cuda()
+        dy = torch.randn(64, 2048, generator=g).bfloat16().cuda()
+        def run():
+            return [cb.rms_norm(x, w, eps=1e-6, offset=1.0),
+                    *cb.rms_norm_backward(dy, x, w, eps=1e-6, offset=1.0)]
+        got = {}
+        def in_thread():
+            try:
+                got["out"] = run()
+                torch.cuda.synchronize()
+            except BaseException as e:
+                got["error"] = repr(e)
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+        print("ERROR", got.get("error"))
+        same = [torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for a, b in zip(got["out"], run())]
+        print("SAME", same)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "ERROR None" in done.stdout and "SAME [True, True, True]" in done.stdout, (
+        done.stdout + done.stderr[-3000:])
+
+
 def test_repeated_calls_and_disk_cache(monkeypatch, tmp_path):
     x = torch.randn(3, 1003, device="cuda")
     w = torch.randn(1003, device="cuda")
