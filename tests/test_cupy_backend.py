@@ -658,8 +658,10 @@ def test_autograd_backward_first_in_a_fresh_process():
     reaches our launch first (the H200's failure of notes/perf.md §50). Its gradients
     equal the explicit backward's bits."""
     script = textwrap.dedent("""
+        import faulthandler
         import torch
         from normspec.backends import cupy_backend as cb
+        faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread
         g = torch.Generator().manual_seed(5)
         x = torch.randn(1, 2048, generator=g).bfloat16().cuda().requires_grad_(True)
         w = torch.randn(2048, generator=g).bfloat16().cuda().requires_grad_(True)
@@ -673,7 +675,7 @@ def test_autograd_backward_first_in_a_fresh_process():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "SAME [True, True]" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
@@ -682,9 +684,11 @@ def test_first_call_of_a_fresh_process_in_a_fresh_thread():
     module and launches with no context of its own (the main thread's allocations bound
     one only there). Forward and backward equal the main thread's bits after it."""
     script = textwrap.dedent("""
+        import faulthandler
         import threading
         import torch
         from normspec.backends import cupy_backend as cb
+        faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread
         g = torch.Generator().manual_seed(6)
         x = torch.randn(64, 2048, generator=g).bfloat16().cuda()
         w = torch.randn(2048, generator=g).bfloat16().cuda()
