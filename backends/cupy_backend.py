@@ -117,8 +117,10 @@ import json
 import math
 import os
 import struct
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -226,6 +228,9 @@ CUDA_TYPES = {DT_F32: "float", DT_BF16: "__nv_bfloat16", DT_F16: "__half"}
 _TORCH_DT = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT_F16}
 _CUPY_DT = {"float32": DT_F32, "bfloat16": DT_BF16, "float16": DT_F16}
 _DT_NAMES = {DT_F32: "float32", DT_BF16: "bfloat16", DT_F16: "float16"}
+#: what each op code's module holds, as the compile notice names it
+_MODULE_LABELS = {OP_RMS: "rms_norm", OP_FUSED: "fused_add_rms_norm",
+                  OP_GATED: "rms_norm_gated", OP_FUSED_SUM: "fused_add_rms_norm from the sum"}
 _NPS = (1, 2, 4)
 
 
@@ -1087,7 +1092,9 @@ def _device_arch(cp: Any, dev: int) -> str:
 
 
 def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
-    """The loaded module of (op, dtype) on device ``dev`` and its name mapping."""
+    """The loaded module of (op, dtype) on device ``dev`` and its name mapping: from the
+    disk cache, else compiled by NVRTC and cached (the compile announced on stderr, with
+    its time: tens of seconds a module)."""
     global _compile_error
     key = (dev, op, dt)
     with _lock:
@@ -1111,11 +1118,17 @@ def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
                 except (OSError, ValueError):
                     mapping = None
             if mapping is None or set(mapping) != set(names):
+                what = f"the {_MODULE_LABELS[op]} kernels ({_DT_NAMES[dt]}, {arch})"
+                print(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
+                      f"cached in {cache} afterwards...", file=sys.stderr, flush=True)
+                start = time.perf_counter()
                 try:
                     image, mapping, _ = compile_kernels(names, arch)
                 except NVRTCCompileError as exc:
                     _compile_error = str(exc)
                     raise
+                print(f"normspec cupy: compiled {what} in {time.perf_counter() - start:.0f} s",
+                      file=sys.stderr, flush=True)
                 cache.mkdir(parents=True, exist_ok=True)
                 _atomic_write(image_path, image)
                 _atomic_write(map_path, json.dumps(mapping).encode())

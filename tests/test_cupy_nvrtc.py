@@ -1268,6 +1268,38 @@ def test_forced_group_log_stays_within_the_padded_rows(launch_probe):
     assert n > 1000
 
 
+def test_a_module_compile_is_announced_and_cached(monkeypatch, tmp_path, capsys):
+    """A module's first compile says on stderr what it compiles, for which target, where
+    it is cached and how long it took; a later load from the disk cache says nothing and
+    compiles nothing."""
+    compiled, loaded = [], []
+
+    def fake_compile(names, arch):
+        compiled.append(arch)
+        return b"\x7fELF image", {n: f"_Z{i}" for i, n in enumerate(names)}, ""
+
+    fake_cp = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext(),
+                                   nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0))),
+        RawModule=lambda path: loaded.append(Path(path).read_bytes()) or "module")
+    monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: "sm_90")
+    monkeypatch.setattr(cb, "compile_kernels", fake_compile)
+    monkeypatch.setattr(cb, "_modules", {})
+    module, mapping = cb._module(0, cb.OP_GATED, cb.DT_BF16)
+    err = capsys.readouterr().err
+    assert compiled == ["sm_90"] and module == "module"
+    assert set(mapping) == set(cb.name_expressions(cb.OP_GATED, cb.DT_BF16))
+    assert ("compiling the rms_norm_gated kernels (bfloat16, sm_90) with NVRTC" in err
+            and str(tmp_path / "cache") in err)
+    assert re.search(r"compiled the rms_norm_gated kernels \(bfloat16, sm_90\) in \d+ s", err)
+    monkeypatch.setattr(cb, "_modules", {})  # a new process: from the disk cache
+    assert cb._module(0, cb.OP_GATED, cb.DT_BF16)[1] == mapping
+    assert compiled == ["sm_90"] and capsys.readouterr().err == ""
+    assert loaded == [b"\x7fELF image"] * 2
+
+
 # ---- NVRTC, without a GPU ---------------------------------------------------------------
 def _nvrtc_or_skip():
     cp = pytest.importorskip("cupy")
