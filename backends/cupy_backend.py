@@ -3,8 +3,10 @@
 The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` and
 ``normspec_kernels.cuh`` (shipped as package data) are compiled as they are by NVRTC,
 lazily, one module per (operator, dtype) holding every template instantiation that
-module launches, cached on disk (next to CuPy's kernel cache) and memoised per
-process and device. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
+module launches, cached on disk (next to CuPy's kernel cache, or in
+``NORMSPEC_CUPY_CACHE_DIR``) and memoised per process and device. A compile is announced
+on stderr; ``available()``, which the registry asks, compiles all twelve modules, minutes
+on a machine's first use. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
 in Python. Aligned rows of at most 1024 vectors run, as in the torch extension, the
 one-row forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``; few
 16-bit rows of 256 or 128 with a weight of their dtype the q/k forward in vectors of
