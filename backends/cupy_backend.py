@@ -1155,6 +1155,7 @@ def _kernel(dev: int, op: int, dt: int, name: str) -> Any:
     fn = _functions.get(key)
     if fn is None:
         module, mapping = _module(dev, op, dt)
+        _bind_primary_context()  # CuPy loads the module here through the driver
         with _lock:
             fn = _functions[key] = module.get_function(mapping[name])
     return fn
@@ -1205,7 +1206,7 @@ def _sm_count(cp: Any, dev: int) -> int:
 def available(*, compile: bool = True) -> str | None:
     """``None`` when the backend can run here, else why not (CuPy missing, no GPU,
     NVRTC failure with the first lines of its log). With ``compile`` (the default)
-    every module is compiled now for device 0 (cached on disk afterwards)."""
+    every module is compiled now for device 0 (cached on disk afterwards) and loaded."""
     cp, reason = _import_cupy()
     if reason is not None:
         return reason
@@ -1221,7 +1222,10 @@ def available(*, compile: bool = True) -> str | None:
         try:
             for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
                 for dt in (DT_F32, DT_BF16, DT_F16):
-                    _module(0, op, dt)
+                    module, mapping = _module(0, op, dt)
+                    with cp.cuda.Device(0):  # loaded too: a cubin the driver refuses
+                        _bind_primary_context()
+                        module.get_function(next(iter(mapping.values())))
         except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines
             return str(exc)
         except Exception as exc:
@@ -1703,7 +1707,9 @@ def _bind_primary_context() -> None:
     ``CUDA_ERROR_INVALID_CONTEXT``. Autograd's device thread can reach the CuPy backward
     before any runtime call there; it did on the H200 (notes/perf.md §50).
     ``cudaSetDevice`` binds the device's primary context and makes it current at once
-    (CUDA 12.0+, ``cuda_runtime_api.h``)."""
+    (CUDA 12.0+, ``cuda_runtime_api.h``). The launch calls this after that failure; the
+    cold paths whose driver calls come before any launch (a module's load in ``_kernel``,
+    a kernel's attributes and occupancy in ``_prepare_pipe_kernel``) call it first."""
     runtime = _cupy().cuda.runtime
     runtime.setDevice(runtime.getDevice())
 
@@ -1758,6 +1764,7 @@ def _prepare_pipe_kernel(fn: Any, key: tuple, block: int, smem: int, optin: int)
     tell, as in the C++ launcher: only the grid depends on it, not the bits)."""
     per_sm = _occupancy.get(key)
     if per_sm is None:
+        _bind_primary_context()  # the attribute and occupancy calls go to the driver
         if smem + _STATIC_SMEM_ROOM > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = optin - int(fn.shared_size_bytes)
         try:

@@ -522,6 +522,79 @@ def test_a_launch_without_a_current_context_binds_one_and_retries(chained, monke
     assert len(seen) == 1 and not set_device
 
 
+def test_cold_driver_calls_bind_the_context_first(monkeypatch):
+    """The driver calls that come before a thread's first launch bind the device's primary
+    context first: a module's load (``get_function`` in ``_kernel``) and a pipelined
+    kernel's attributes and occupancy (``_prepare_pipe_kernel``); cache hits bind
+    nothing."""
+    events = []
+    monkeypatch.setattr(cb, "_bind_primary_context", lambda: events.append("bind"))
+
+    class Module:
+        def get_function(self, lowered):
+            events.append(f"load {lowered}")
+            return f"fn {lowered}"
+
+    monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module(), {"k": "_Zk"}))
+    monkeypatch.setattr(cb, "_functions", {})
+    assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"
+    assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"  # kept
+    assert events == ["bind", "load _Zk"]
+
+    class Function:
+        shared_size_bytes = 1024
+        kernel = types.SimpleNamespace(ptr=0x99)
+
+        def __setattr__(self, name, value):
+            events.append(f"set {name}={value}")
+
+    driver = types.SimpleNamespace(
+        occupancyMaxActiveBlocksPerMultiprocessor=lambda ptr, block, smem:
+            events.append(f"occupancy {block} {smem}") or 3)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api.driver", driver)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api",
+                        types.SimpleNamespace(driver=driver))
+    monkeypatch.setattr(cb, "_occupancy", {})
+    events.clear()
+    assert cb._prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
+    assert cb._prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
+    assert events == ["bind", f"set max_dynamic_shared_size_bytes={227 * 1024 - 1024}",
+                      f"occupancy 256 {64 * 1024}"]
+
+
+def test_available_loads_every_module(monkeypatch):
+    """``available()`` loads each compiled module on device 0 (one function of each, the
+    context bound first), so a module the driver refuses makes the backend unavailable
+    with the driver's reason instead of failing at a first call."""
+    events = []
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        Device=lambda dev: contextlib.nullcontext()))
+    monkeypatch.setattr(cb, "_import_cupy", lambda: (fake_cp, None))
+    monkeypatch.setattr(cb, "_compile_error", None)
+    monkeypatch.setattr(cb, "_bind_primary_context", lambda: events.append("bind"))
+
+    class Module:
+        def __init__(self, key):
+            self.key = key
+
+        def get_function(self, lowered):
+            events.append((self.key, lowered))
+            if self.key == refused:
+                raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+    monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module((dev, op, dt)),
+                                                            {"k": f"_Z{op}{dt}"}))
+    refused = None
+    assert cb.available() is None
+    loads = [e for e in events if e != "bind"]
+    assert len(loads) == 12 and events.count("bind") == 12
+    assert {key for key, _ in loads} == {(0, op, dt) for op in range(4) for dt in range(3)}
+    refused = (0, cb.OP_GATED, cb.DT_F16)
+    reason = cb.available()
+    assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
+
+
 @pytest.mark.parametrize("driver", [True, False])
 def test_plain_launches_through_the_driver(driver, monkeypatch):
     """Plain launches call the driver's ``cuLaunchKernelEx`` without launch attributes,
