@@ -1205,8 +1205,11 @@ def _sm_count(cp: Any, dev: int) -> int:
 
 def available(*, compile: bool = True) -> str | None:
     """``None`` when the backend can run here, else why not (CuPy missing, no GPU,
-    NVRTC failure with the first lines of its log). With ``compile`` (the default)
-    every module is compiled now for device 0 (cached on disk afterwards) and loaded."""
+    NVRTC failure with the first lines of its log, a module the driver refuses). With
+    ``compile`` (the default) every module is compiled (cached on disk afterwards) and
+    loaded now for the current device: device 0 unless the caller chose another
+    (``torch.cuda.set_device``, CuPy's ``Device``), so that asking creates no context on a
+    device the process does not use."""
     cp, reason = _import_cupy()
     if reason is not None:
         return reason
@@ -1220,10 +1223,11 @@ def available(*, compile: bool = True) -> str | None:
         return _compile_error
     if compile:
         try:
+            dev = cp.cuda.runtime.getDevice()
             for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
                 for dt in (DT_F32, DT_BF16, DT_F16):
-                    module, mapping = _module(0, op, dt)
-                    with cp.cuda.Device(0):  # loaded too: a cubin the driver refuses
+                    module, mapping = _module(dev, op, dt)
+                    with cp.cuda.Device(dev):  # loaded too: a cubin the driver refuses
                         _bind_primary_context()
                         module.get_function(next(iter(mapping.values())))
         except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines

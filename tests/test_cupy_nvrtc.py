@@ -563,12 +563,12 @@ def test_cold_driver_calls_bind_the_context_first(monkeypatch):
 
 
 def test_available_loads_every_module(monkeypatch):
-    """``available()`` loads each compiled module on device 0 (one function of each, the
-    context bound first), so a module the driver refuses makes the backend unavailable
-    with the driver's reason instead of failing at a first call."""
+    """``available()`` compiles and loads each module for the current device (one function
+    of each, the context bound first), so a module the driver refuses makes the backend
+    unavailable with the driver's reason instead of failing at a first call."""
     events = []
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 3, getDevice=lambda: 2),
         Device=lambda dev: contextlib.nullcontext()))
     monkeypatch.setattr(cb, "_import_cupy", lambda: (fake_cp, None))
     monkeypatch.setattr(cb, "_compile_error", None)
@@ -589,8 +589,8 @@ def test_available_loads_every_module(monkeypatch):
     assert cb.available() is None
     loads = [e for e in events if e != "bind"]
     assert len(loads) == 12 and events.count("bind") == 12
-    assert {key for key, _ in loads} == {(0, op, dt) for op in range(4) for dt in range(3)}
-    refused = (0, cb.OP_GATED, cb.DT_F16)
+    assert {key for key, _ in loads} == {(2, op, dt) for op in range(4) for dt in range(3)}
+    refused = (2, cb.OP_GATED, cb.DT_F16)
     reason = cb.available()
     assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
 
