@@ -1226,10 +1226,9 @@ def available(*, compile: bool = True) -> str | None:
             dev = cp.cuda.runtime.getDevice()
             for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
                 for dt in (DT_F32, DT_BF16, DT_F16):
-                    module, mapping = _module(dev, op, dt)
+                    _, mapping = _module(dev, op, dt)
                     with cp.cuda.Device(dev):  # loaded too: a cubin the driver refuses
-                        _bind_primary_context()
-                        module.get_function(next(iter(mapping.values())))
+                        _kernel(dev, op, dt, next(iter(mapping)))
         except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines
             return str(exc)
         except Exception as exc:

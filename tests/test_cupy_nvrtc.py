@@ -585,12 +585,14 @@ def test_available_loads_every_module(monkeypatch):
 
     monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module((dev, op, dt)),
                                                             {"k": f"_Z{op}{dt}"}))
+    monkeypatch.setattr(cb, "_functions", {})
     refused = None
     assert cb.available() is None
     loads = [e for e in events if e != "bind"]
     assert len(loads) == 12 and events.count("bind") == 12
     assert {key for key, _ in loads} == {(2, op, dt) for op in range(4) for dt in range(3)}
     refused = (2, cb.OP_GATED, cb.DT_F16)
+    monkeypatch.setattr(cb, "_functions", {})  # a new process: nothing loaded yet
     reason = cb.available()
     assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
 
