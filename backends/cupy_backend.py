@@ -5,17 +5,18 @@ The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` a
 lazily, one module per (operator, dtype) holding every template instantiation that
 module launches, cached on disk (next to CuPy's kernel cache, or in
 ``NORMSPEC_CUPY_CACHE_DIR``) and memoised per process and device. A compile is announced
-on stderr; ``available()``, which the registry asks, compiles all twelve modules, minutes
-on a machine's first use. The host launch logic (``normspec_launch_impl.cuh``) is mirrored
-in Python. Aligned rows of at most 1024 vectors run, as in the torch extension, the
-one-row forward (``normspec_fwd_row_kernel``: ``row_geometry``, ``row_block``; few
-16-bit rows of 256 or 128 with a weight of their dtype the q/k forward in vectors of
-four, ``normspec_fwd_quad_kernel``: ``quad_forward_launch``) and the pipelined backward
-(``normspec_bwd_pipe_kernel``: ``pipe_backward_plan``, ``pipe_backward_launch``;
-persistent teams with their dweight stacks, weight factors and, for large bf16 gated
-launches, the gate table in shared memory, past 48 KiB with the device's opt-in); other
-rows run the register and streaming kernels
-(``geometry``, ``backward_plan``). Where a large bf16 gated forward wants a gate table
+on stderr; ``available()``, which the registry asks, compiles all twelve modules, side by
+side in threads (``compile_modules``, which ``normspec build`` runs ahead of time): one
+after another they took minutes on a machine's first use. The host launch logic
+(``normspec_launch_impl.cuh``) is mirrored in Python. Aligned rows of at most 1024 vectors
+run, as in the torch extension, the one-row forward (``normspec_fwd_row_kernel``:
+``row_geometry``, ``row_block``; few 16-bit rows of 256 or 128 with a weight of their
+dtype the q/k forward in vectors of four, ``normspec_fwd_quad_kernel``:
+``quad_forward_launch``) and the pipelined backward (``normspec_bwd_pipe_kernel``:
+``pipe_backward_plan``, ``pipe_backward_launch``; persistent teams with their dweight
+stacks, weight factors and, for large bf16 gated launches, the gate table in shared
+memory, past 48 KiB with the device's opt-in); other rows run the register and streaming
+kernels (``geometry``, ``backward_plan``). Where a large bf16 gated forward wants a gate table
 but the global table's forms do not take it, the persistent forward runs, each block
 building the table in its shared memory (``pipe_forward_launch``), as in the extension;
 so does every aligned forward with ``NORMSPEC_FWD_ROW=0``. dweight's workspace rows are
@@ -113,6 +114,7 @@ with ``cupy.RawModule(path=...)``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import json
@@ -973,6 +975,8 @@ _smem_optins: dict[int, int] = {}
 _occupancy: dict[tuple, int] = {}
 _pdl_devices: dict[int, bool] = {}
 _compile_error: str | None = None
+#: one lock per module image (its digest): one thread compiles it, the others wait
+_compile_locks: dict[str, threading.Lock] = {}
 
 
 class NVRTCCompileError(RuntimeError):
@@ -1093,50 +1097,107 @@ def _device_arch(cp: Any, dev: int) -> str:
     return f"compute_{lower[-1]}"
 
 
-def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
-    """The loaded module of (op, dtype) on device ``dev`` and its name mapping: from the
-    disk cache, else compiled by NVRTC and cached (the compile announced on stderr, with
-    its time: tens of seconds a module)."""
+def _module_image(cp: Any, dev: int, op: int, dt: int) -> tuple[Path, dict[str, str]]:
+    """The disk-cached image of (op, dtype) for device ``dev``'s target and its name
+    mapping, compiled by NVRTC first when the cache lacks it (the compile announced on
+    stderr, with its time: tens of seconds a module). Loads nothing: needs no context.
+    One thread compiles a given module at a time (others wait for its image); different
+    modules compile side by side (NVRTC's compile releases the GIL)."""
     global _compile_error
+    arch = _device_arch(cp, dev)
+    names = name_expressions(op, dt)
+    ident = json.dumps([source_text(), compile_options(f"-arch={arch}"), arch,
+                        list(cp.cuda.nvrtc.getVersion()), names])
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
+    cache = _cache_dir()
+    image_path = cache / f"{digest}.{'cubin' if arch.startswith('sm_') else 'ptx'}"
+    map_path = cache / f"{digest}.json"
+    with _lock:
+        compile_lock = _compile_locks.setdefault(digest, threading.Lock())
+    with compile_lock:
+        mapping = None
+        if image_path.exists() and map_path.exists():
+            try:
+                mapping = json.loads(map_path.read_text())
+            except (OSError, ValueError):
+                mapping = None
+        if mapping is None or set(mapping) != set(names):
+            what = f"the {_MODULE_LABELS[op]} kernels ({_DT_NAMES[dt]}, {arch})"
+            print(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
+                  f"cached in {cache} afterwards...", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            try:
+                image, mapping, _ = compile_kernels(names, arch)
+            except NVRTCCompileError as exc:
+                _compile_error = str(exc)
+                raise
+            print(f"normspec cupy: compiled {what} in {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            _atomic_write(image_path, image)
+            _atomic_write(map_path, json.dumps(mapping).encode())
+    return image_path, mapping
+
+
+def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
+    """The module of (op, dtype) on device ``dev`` and its name mapping, memoised per
+    process: its image from the disk cache, else compiled by NVRTC and cached
+    (``_module_image``; no process-wide lock is held through a compile)."""
     key = (dev, op, dt)
+    hit = _modules.get(key)
+    if hit is not None:
+        return hit
+    cp = _cupy()
+    image_path, mapping = _module_image(cp, dev, op, dt)
     with _lock:
         hit = _modules.get(key)
-        if hit is not None:
-            return hit
-        cp = _cupy()
-        with cp.cuda.Device(dev):
-            arch = _device_arch(cp, dev)
-            names = name_expressions(op, dt)
-            ident = json.dumps([source_text(), compile_options(f"-arch={arch}"), arch,
-                                list(cp.cuda.nvrtc.getVersion()), names])
-            digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
-            cache = _cache_dir()
-            image_path = cache / f"{digest}.{'cubin' if arch.startswith('sm_') else 'ptx'}"
-            map_path = cache / f"{digest}.json"
-            mapping = None
-            if image_path.exists() and map_path.exists():
-                try:
-                    mapping = json.loads(map_path.read_text())
-                except (OSError, ValueError):
-                    mapping = None
-            if mapping is None or set(mapping) != set(names):
-                what = f"the {_MODULE_LABELS[op]} kernels ({_DT_NAMES[dt]}, {arch})"
-                print(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
-                      f"cached in {cache} afterwards...", file=sys.stderr, flush=True)
-                start = time.perf_counter()
-                try:
-                    image, mapping, _ = compile_kernels(names, arch)
-                except NVRTCCompileError as exc:
-                    _compile_error = str(exc)
-                    raise
-                print(f"normspec cupy: compiled {what} in {time.perf_counter() - start:.0f} s",
-                      file=sys.stderr, flush=True)
-                cache.mkdir(parents=True, exist_ok=True)
-                _atomic_write(image_path, image)
-                _atomic_write(map_path, json.dumps(mapping).encode())
-            module = cp.RawModule(path=str(image_path))
-            _modules[key] = (module, mapping)
-            return _modules[key]
+        if hit is None:
+            with cp.cuda.Device(dev):
+                hit = _modules[key] = (cp.RawModule(path=str(image_path)), mapping)
+    return hit
+
+
+#: every module's (op, dtype): what ``available()`` and ``normspec build`` prepare
+MODULES = tuple((op, dt) for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM)
+                for dt in (DT_F32, DT_BF16, DT_F16))
+
+
+def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float:
+    """Compiles every module the disk cache lacks for device ``dev``'s target (the
+    current device by default), ``jobs`` at a time in threads: by default ``$MAX_JOBS``
+    (the torch extension builds' variable) or else one per CPU core. Returns the seconds
+    it took. On a machine's first use this is the twelve NVRTC compiles, each tens of
+    seconds on one core, which one after another took minutes on the H200's host.
+    Raises [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError] (the
+    first module's failure, after the others finished)."""
+    cp = _cupy()
+    if dev is None:
+        dev = cp.cuda.runtime.getDevice()
+    if jobs is None:
+        jobs = _max_jobs()
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(MODULES))),
+                                               thread_name_prefix="normspec-nvrtc") as pool:
+        futures = [pool.submit(_module_image, cp, dev, op, dt) for op, dt in MODULES]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
+
+def _max_jobs() -> int:
+    """``$MAX_JOBS`` when it is a positive integer (else a ``ValueError`` naming it), or
+    the number of CPU cores this process may use."""
+    value = os.environ.get("MAX_JOBS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MAX_JOBS: expected a positive integer (how many NVRTC "
+                             f"compiles run at once), got {value!r}")
+        return int(value)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -1224,11 +1285,11 @@ def available(*, compile: bool = True) -> str | None:
     if compile:
         try:
             dev = cp.cuda.runtime.getDevice()
-            for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM):
-                for dt in (DT_F32, DT_BF16, DT_F16):
-                    _, mapping = _module(dev, op, dt)
-                    with cp.cuda.Device(dev):  # loaded too: a cubin the driver refuses
-                        _kernel(dev, op, dt, next(iter(mapping)))
+            compile_modules(dev)  # those the disk cache lacks, side by side
+            for op, dt in MODULES:
+                _, mapping = _module(dev, op, dt)
+                with cp.cuda.Device(dev):  # loaded too: a cubin the driver refuses
+                    _kernel(dev, op, dt, next(iter(mapping)))
         except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines
             return str(exc)
         except Exception as exc:
@@ -2504,6 +2565,27 @@ class CupyBackend(Backend):
 
     def available(self) -> str | None:
         return available()
+
+    def build(self, verbose: bool = True) -> str:
+        """``normspec build``: compiles the modules the disk cache lacks for the current
+        device (side by side, [`compile_modules`][normspec.backends.cupy_backend.compile_modules])
+        and loads them. Returns what it did; "skipped" with the reason where CuPy or a GPU
+        is missing. Raises ``RuntimeError`` with NVRTC's or the driver's reason."""
+        cp, reason = _import_cupy()
+        if reason is None:
+            try:
+                if cp.cuda.runtime.getDeviceCount() == 0:
+                    reason = "no CUDA GPU visible to CuPy"
+            except Exception as exc:
+                reason = f"no CUDA GPU usable by CuPy ({type(exc).__name__}: {exc})"
+        if reason is not None:
+            return f"skipped: {reason}"
+        start = time.perf_counter()
+        reason = available()
+        if reason is not None:
+            raise RuntimeError(f"normspec cupy: {reason}")
+        return (f"{len(MODULES)} NVRTC modules ready in {_cache_dir()} "
+                f"({time.perf_counter() - start:.0f} s)")
 
     def library_version(self) -> str | None:
         return _cupy_version()

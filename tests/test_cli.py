@@ -89,3 +89,39 @@ def test_require_rejects_a_malformed_level(tmp_path, capsys):
     assert main(["conformance", "--device", "cpu", "--quick", "--out", str(tmp_path),
                  "--require", "reference=perfect"]) == 2
     assert "require: expected BACKEND=LEVEL" in capsys.readouterr().out
+
+
+class _Built:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def build(self, verbose=True):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def test_build_reports_each_backend_and_fails_when_one_fails(monkeypatch, capsys):
+    """``normspec build`` builds every backend that compiles code; one that fails is named
+    with its reason, the others still build, and the exit status is 1."""
+    from types import SimpleNamespace
+
+    from normspec import cli
+
+    entries = [(SimpleNamespace(name="first"), _Built(RuntimeError("no nvcc on PATH"))),
+               (SimpleNamespace(name="second"), _Built("ready in /tmp/x")),
+               (SimpleNamespace(name="plain"), object())]
+    monkeypatch.setattr(cli.registry, "iter_backends", lambda: iter(entries))
+    assert main(["build"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED first: no nvcc on PATH" in out and "second: ready in /tmp/x" in out
+    assert "plain" not in out
+    monkeypatch.setattr(cli.registry, "iter_backends", lambda: iter(entries[1:]))
+    assert main(["build"]) == 0
+
+
+def test_cupy_build_is_skipped_without_cupy(monkeypatch):
+    from normspec.backends import cupy_backend as cb
+
+    monkeypatch.setattr(cb, "_import_cupy", lambda: (None, "CuPy is not installed (pip ...)"))
+    assert cb.backend.build() == "skipped: CuPy is not installed (pip ...)"

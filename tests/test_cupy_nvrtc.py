@@ -12,6 +12,7 @@ import itertools
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -585,9 +586,12 @@ def test_available_loads_every_module(monkeypatch):
 
     monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module((dev, op, dt)),
                                                             {"k": f"_Z{op}{dt}"}))
+    monkeypatch.setattr(cb, "compile_modules", lambda dev: events.append(("compile", dev)))
     monkeypatch.setattr(cb, "_functions", {})
     refused = None
     assert cb.available() is None
+    assert events[0] == ("compile", 2)  # side by side first, on the current device
+    events.pop(0)
     loads = [e for e in events if e != "bind"]
     assert len(loads) == 12 and events.count("bind") == 12
     assert {key for key, _ in loads} == {(2, op, dt) for op in range(4) for dt in range(3)}
@@ -595,6 +599,18 @@ def test_available_loads_every_module(monkeypatch):
     monkeypatch.setattr(cb, "_functions", {})  # a new process: nothing loaded yet
     reason = cb.available()
     assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
+
+
+def test_available_reports_a_bad_max_jobs(monkeypatch):
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0)))
+    monkeypatch.setattr(cb, "_import_cupy", lambda: (fake_cp, None))
+    monkeypatch.setattr(cb, "_compile_error", None)
+    monkeypatch.setenv("MAX_JOBS", "many")
+    assert cb.available() == ("MAX_JOBS: expected a positive integer (how many NVRTC "
+                              "compiles run at once), got 'many'")
+    monkeypatch.setenv("MAX_JOBS", " 3 ")
+    assert cb._max_jobs() == 3
 
 
 @pytest.mark.parametrize("driver", [True, False])
@@ -1373,6 +1389,101 @@ def test_a_module_compile_is_announced_and_cached(monkeypatch, tmp_path, capsys)
     assert cb._module(0, cb.OP_GATED, cb.DT_BF16)[1] == mapping
     assert compiled == ["sm_90"] and capsys.readouterr().err == ""
     assert loaded == [b"\x7fELF image"] * 2
+
+
+def _fake_nvrtc_world(monkeypatch, tmp_path, compile_kernels):
+    """A CuPy whose NVRTC compiles with ``compile_kernels`` into a temporary disk cache."""
+    fake_cp = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext(),
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0))),
+        RawModule=lambda path: Path(path).read_bytes())
+    monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: "sm_90")
+    monkeypatch.setattr(cb, "compile_kernels", compile_kernels)
+    monkeypatch.setattr(cb, "_modules", {})
+    monkeypatch.setattr(cb, "_compile_locks", {})
+    monkeypatch.setattr(cb, "_compile_error", None)
+    return fake_cp
+
+
+def _image(names, tag):
+    return tag.encode(), {n: f"_Z{i}" for i, n in enumerate(names)}, ""
+
+
+def test_modules_compile_side_by_side(monkeypatch, tmp_path, capsys):
+    """``compile_modules`` runs ``jobs`` NVRTC compiles at once: here the first three
+    compiles wait until all three run (a barrier that times out one after another), and
+    meanwhile a module found in the disk cache still loads (no process-wide lock is held
+    through a compile). A second call finds everything cached and compiles nothing."""
+    barrier, order = threading.Barrier(3, timeout=20), itertools.count(1)
+    compiled, loaded_meanwhile = [], []
+
+    def fake_compile(names, arch):
+        compiled.append(tuple(names))
+        nth = next(order)
+        if nth <= 3:
+            barrier.wait()
+        if nth == 3:
+            loaded_meanwhile.append(cb._module(0, cb.OP_RMS, cb.DT_F32)[0])
+        return _image(names, f"{names[0]} image")
+
+    _fake_nvrtc_world(monkeypatch, tmp_path, lambda names, arch: _image(
+        names, f"{names[0]} image"))
+    cb._module_image(cb._cupy(), 0, cb.OP_RMS, cb.DT_F32)  # on disk, not loaded
+    capsys.readouterr()
+    monkeypatch.setattr(cb, "compile_kernels", fake_compile)
+    cb.compile_modules(0, jobs=3)
+    assert sorted(compiled) == sorted(tuple(cb.name_expressions(op, dt))
+                                      for op, dt in cb.MODULES[1:])
+    assert loaded_meanwhile == [f"{cb.name_expressions(cb.OP_RMS, cb.DT_F32)[0]} image"
+                                .encode()]
+    assert capsys.readouterr().err.count("normspec cupy: compiled the ") == 11
+    cb.compile_modules(0, jobs=3)
+    assert len(compiled) == 11 and capsys.readouterr().err == ""
+
+
+def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tmp_path):
+    """Threads asking for the same missing module at once: one compiles, the others wait
+    for its image and load that."""
+    started, release, compiled = threading.Event(), threading.Event(), []
+
+    def fake_compile(names, arch):
+        compiled.append(arch)
+        started.set()
+        assert release.wait(20)
+        return _image(names, "the image")
+
+    _fake_nvrtc_world(monkeypatch, tmp_path, fake_compile)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        cb._module_image(cb._cupy(), 0, cb.OP_FUSED, cb.DT_BF16))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert started.wait(20)
+    release.set()
+    for t in threads:
+        t.join(20)
+    assert compiled == ["sm_90"] and len(results) == 3
+    assert len({(path, tuple(m.items())) for path, m in results}) == 1
+
+
+def test_a_failed_compile_is_raised_after_the_others_finish(monkeypatch, tmp_path):
+    """One module NVRTC refuses: ``compile_modules`` raises its error once the others
+    finished, their images are cached, and ``available()`` reports the failure since."""
+    bad = cb.name_expressions(cb.OP_GATED, cb.DT_F16)
+
+    def fake_compile(names, arch):
+        if names == bad:
+            raise cb.NVRTCCompileError("NVRTC compile failed (6):\nerror: planted")
+        return _image(names, "fine")
+
+    _fake_nvrtc_world(monkeypatch, tmp_path, fake_compile)
+    with pytest.raises(cb.NVRTCCompileError, match="planted"):
+        cb.compile_modules(0, jobs=4)
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 11
+    assert "planted" in cb._compile_error
 
 
 # ---- NVRTC, without a GPU ---------------------------------------------------------------

@@ -97,16 +97,25 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:
-    built = False
+    """Builds each installed backend that compiles code; a failure is reported with its
+    reason and the others still build (exit status 1 if any failed)."""
+    built, failed = False, False
     for entry, backend in registry.iter_backends():
         build = getattr(backend, "build", None)
         if backend is not None and callable(build):
             console.print(f"building {entry.name} ...")
-            build(verbose=True)
+            try:
+                outcome = build(verbose=True)
+            except RuntimeError as exc:
+                console.print(f"[red]FAILED[/] {entry.name}: {exc}", highlight=False,
+                              soft_wrap=True)
+                failed = True
+            else:
+                console.print(f"{entry.name}: {outcome}", highlight=False, soft_wrap=True)
             built = True
     if not built:
         console.print("no installed backend needs a build")
-    return 0
+    return 1 if failed else 0
 
 
 def _command() -> str:
@@ -138,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
                         "accurate) in every report, forward and gradient (repeatable)")
     add_compare_parser(sub)
-    sub.add_parser("build", help="build the backends that compile code (torch extension)")
+    sub.add_parser("build", help="build the backends that compile code (torch extension, "
+                   "CuPy's NVRTC modules)")
     return p
 
 
