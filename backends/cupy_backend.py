@@ -1635,8 +1635,25 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: Kernel
         _launch_chained(fn, grid, block, args, shared_mem)
     elif _cu_launch_kernel_ex() is not None:
         _launch_driver(fn, grid, block, args, shared_mem, None, 0)
-    else:  # RawKernel's own default is 0
-        fn(grid, block, args.numpy(), shared_mem=shared_mem)
+    else:
+        _launch_rawkernel(fn, grid, block, args, shared_mem)
+
+
+def _launch_rawkernel(fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
+                      args: KernelArgs, shared_mem: int) -> None:
+    """Launches ``fn`` through CuPy's ``RawKernel`` (drivers before CUDA 12.0): CuPy's
+    launch is the driver's ``cuLaunchKernel``, which needs a current context as
+    ``cuLaunchKernelEx`` does, so a ``CUDA_ERROR_INVALID_CONTEXT`` (CuPy's
+    ``CUDADriverError``, its ``status``) binds the primary context and launches again
+    once, as ``_launch_driver`` does."""
+    values = args.numpy()
+    try:
+        fn(grid, block, values, shared_mem=shared_mem)
+    except Exception as exc:
+        if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+            raise
+        _bind_primary_context()
+        fn(grid, block, values, shared_mem=shared_mem)
 
 
 # ---- chained launches: programmatic dependent launch through the driver API ----------

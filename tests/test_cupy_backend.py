@@ -607,11 +607,14 @@ def _current_context() -> int | None:
     return ctx.value
 
 
-def test_a_thread_without_a_current_context(monkeypatch):
+@pytest.mark.parametrize("path", ["driver", "rawkernel"])
+def test_a_thread_without_a_current_context(path, monkeypatch):
     """A thread that no CUDA runtime call has touched yet has no current context, which a
     driver launch needs: the backend binds the primary context and launches (the H200 once
     failed autograd's first backward so, notes/perf.md §50). Forward and backward there
-    give the spec's bits; the thread's first launch met no context."""
+    give the spec's bits; the thread's first launch met no context. ``rawkernel``: as
+    where the driver lacks ``cuLaunchKernelEx`` (before CUDA 12.0), every launch through
+    CuPy's ``RawKernel`` and nothing chained."""
     x = torch.randn(64, 2048, dtype=torch.bfloat16)
     w = torch.randn(2048, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -622,14 +625,19 @@ def test_a_thread_without_a_current_context(monkeypatch):
     cb.rms_norm_backward(cdy, cx, cw, eps=EPS, offset=1.0)
     cb.rms_norm(cx, cw, eps=EPS, offset=1.0)
     torch.cuda.synchronize()
-    launch = cb._cu_launch_kernel_ex()
     seen = []  # the context current at each launch in the thread
+    launch = cb._cu_launch_kernel_ex() if path == "driver" else cb._launch_rawkernel
 
     def recording_launch(*args):
         seen.append(_current_context())
         return launch(*args)
 
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: recording_launch)
+    if path == "driver":
+        monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: recording_launch)
+    else:
+        monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [None])
+        monkeypatch.setattr(cb, "_pdl_devices", {})
+        monkeypatch.setattr(cb, "_launch_rawkernel", recording_launch)
     result = {}
 
     def fresh_thread():

@@ -523,6 +523,44 @@ def test_a_launch_without_a_current_context_binds_one_and_retries(chained, monke
     assert len(seen) == 1 and not set_device
 
 
+class _DriverError(RuntimeError):
+    """As CuPy's ``CUDADriverError``: the driver's status in ``status``."""
+
+    def __init__(self, status):
+        super().__init__(f"CUresult {status}")
+        self.status = status
+
+
+def test_a_rawkernel_launch_without_a_current_context_binds_one_and_retries(monkeypatch):
+    """Where the driver lacks ``cuLaunchKernelEx`` the launch is CuPy's ``RawKernel``; its
+    ``CUDA_ERROR_INVALID_CONTEXT`` binds the context and launches once more, a second
+    failure and other failures are raised."""
+    statuses, calls, binds = [], [], []
+
+    def kernel(grid, block, values, shared_mem=0):
+        calls.append((grid, block, tuple(int(v) for v in values), shared_mem))
+        status = statuses.pop(0)
+        if status:
+            raise _DriverError(status)
+
+    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [None])
+    monkeypatch.setattr(cb, "_bind_primary_context", lambda: binds.append(1))
+    args = cb.KernelArgs("Qi", (0x1000, 5))
+    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT, 0]
+    cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+    assert calls == [((2, 1, 1), (64, 1, 1), (0x1000, 5), 128)] * 2 and binds == [1]
+    calls.clear(), binds.clear()
+    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT] * 2
+    with pytest.raises(_DriverError, match="CUresult 201"):
+        cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+    assert len(calls) == 2 and binds == [1]
+    calls.clear(), binds.clear()
+    statuses[:] = [1]
+    with pytest.raises(_DriverError, match=r"CUresult 1$"):
+        cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+    assert len(calls) == 1 and not binds
+
+
 def test_cold_driver_calls_bind_the_context_first(monkeypatch):
     """The driver calls that come before a thread's first launch bind the device's primary
     context first: a module's load (``get_function`` in ``_kernel``) and a pipelined
