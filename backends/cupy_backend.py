@@ -158,6 +158,7 @@ __all__ = [
     "col_tree_last_launch",
     "col_tree_rows_out",
     "compile_kernels",
+    "compile_modules",
     "cupy_stream_of",
     "forward_geometry",
     "full_row_forms_enabled",
