@@ -1180,9 +1180,9 @@ def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(MODULES))),
                                                thread_name_prefix="normspec-nvrtc") as pool:
         futures = [pool.submit(_module_image, cp, dev, op, dt) for op, dt in MODULES]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]
+    for future in futures:
+        if future.exception() is not None:
+            raise future.exception()
     return time.perf_counter() - start
 
 
@@ -2589,15 +2589,10 @@ class CupyBackend(Backend):
         device (side by side, [`compile_modules`][normspec.backends.cupy_backend.compile_modules])
         and loads them. Returns what it did; "skipped" with the reason where CuPy or a GPU
         is missing. Raises ``RuntimeError`` with NVRTC's or the driver's reason."""
-        cp, reason = _import_cupy()
-        if reason is None:
-            try:
-                if cp.cuda.runtime.getDeviceCount() == 0:
-                    reason = "no CUDA GPU visible to CuPy"
-            except Exception as exc:
-                reason = f"no CUDA GPU usable by CuPy ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            return f"skipped: {reason}"
+        if _compile_error is None:  # CuPy or a GPU missing: nothing to build here
+            reason = available(compile=False)
+            if reason is not None:
+                return f"skipped: {reason}"
         start = time.perf_counter()
         reason = available()
         if reason is not None:
