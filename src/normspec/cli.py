@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from .conformance import (
 from .ops import OPS
 from .profiles import PROFILES, get_profile
 from .report import build_report
+from .workers import validate_jobs
 
 __all__ = ["main"]
 
@@ -78,8 +80,8 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     required = parse_requirements(args.require or [])
     reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
                               ops=args.op, profiles=args.profile, seeds=args.seeds,
-                              out_dir=Path(args.out),
-                              command=_command(), console=console)
+                              out_dir=Path(args.out), command=_command(), console=console,
+                              jobs=_jobs(args.jobs, device))
     # failing lines first (up to 5 per report and backend), the summary table last
     for r in reports:
         for name, res in r["results"].items():
@@ -94,6 +96,17 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     for line in problems:
         console.print(f"[red]FAILED[/] {line}", highlight=False, soft_wrap=True)
     return 1 if problems else 0
+
+
+def _jobs(jobs: int | None, device: str) -> int:
+    """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and up to
+    4 on CUDA (a GPU runs several processes' small launches side by side)."""
+    if jobs is not None:
+        return validate_jobs(jobs)
+    if device == "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cores or 1))
 
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:
@@ -143,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="restrict to these profiles (default: every profile of the device)")
     k.add_argument("--seeds", type=int, default=None)
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
+    k.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="run the checks in N worker processes side by side (default: 1 on "
+                        "cpu, up to 4 on cuda); the reports do not depend on it")
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
                         "accurate) in every report, forward and gradient (repeatable)")

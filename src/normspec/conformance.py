@@ -15,6 +15,7 @@ from . import harness, registry
 from .ops import OPS
 from .profiles import PROFILES, Profile
 from .report import build_report, write_report
+from .workers import Task, check_in_workers, validate_jobs
 
 __all__ = [
     "default_device",
@@ -54,12 +55,17 @@ def run_conformance(
     out_dir: Path | None = Path("reports"),
     command: str = "normspec conformance",
     console: Console | None = None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """Check every selected backend on every selected op and profile.
 
-    Returns the reports (one per op × profile); writes them under ``out_dir``
-    unless it is ``None``.
+    Returns the reports (one per op × profile, in profile then op order);
+    writes each under ``out_dir`` (unless it is ``None``) as soon as its
+    checks are done. With ``jobs`` above 1 the checks (one backend's op on
+    one profile each) run side by side in that many worker processes (see
+    [`normspec.workers`][normspec.workers]); the reports are the same.
     """
+    validate_jobs(jobs)
     console = console or Console(stderr=True)
     chosen_profiles = ([PROFILES[p] for p in profiles] if profiles else profiles_for(device))
     wrong = [p.name for p in chosen_profiles if p.device != device]
@@ -74,46 +80,77 @@ def run_conformance(
     loaded = {n: entries[n].load() for n in names}
     status = {n: entries[n].status() for n in names}
     versions = {n: (b.library_version() if b else None) for n, b in loaded.items()}
+    runnable = [n for n in names if status[n] is None and loaded[n] is not None]
 
-    total = 0
+    tasks = [Task(n, op_name, prof.name) for prof in chosen_profiles for op_name in chosen_ops
+             for n in runnable]
+    total = sum(
+        sum(1 for _ in harness.iter_cases(OPS[t.op], PROFILES[t.profile], quick=quick,
+                                          seeds=seeds))
+        for t in tasks
+    )
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    pending: dict[tuple[str, str], set[str]] = {}
     for prof in chosen_profiles:
         for op_name in chosen_ops:
-            n_cases = sum(1 for _ in harness.iter_cases(OPS[op_name], prof, quick=quick,
-                                                        seeds=seeds))
-            total += n_cases * sum(1 for n in names if status[n] is None)
-    reports = []
+            key = (prof.name, op_name)
+            pending[key] = set(runnable)
+            results[key] = {n: _unavailable(entries[n], loaded[n], status[n])
+                            for n in names if n not in runnable}
+    finished: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def finish(key: tuple[str, str]) -> None:
+        ordered = {n: results[key][n] for n in names}
+        report = build_report(key[1], PROFILES[key[0]], ordered, quick=quick, seeds=seeds,
+                              command=command, library_versions=versions)
+        if out_dir is not None:
+            write_report(report, out_dir)
+        finished[key] = report
+
+    def record(task: Task, result: dict[str, Any]) -> None:
+        key = (task.profile, task.op)
+        results[key][task.backend] = result
+        pending[key].discard(task.backend)
+        if not console.is_terminal:  # CI logs: one line per check
+            lv = result["level"]
+            console.print(f"{task.profile} {task.op} {task.backend}: forward={lv['forward']}"
+                          f" gradient={lv['gradient']}", highlight=False)
+        if not pending[key]:
+            finish(key)
+
+    for key, waiting in pending.items():
+        if not waiting:  # nothing runnable: the report holds only unavailable entries
+            finish(key)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                   transient=False) as progress:
-        task = progress.add_task("conformance", total=total)
-        for prof in chosen_profiles:
-            for op_name in chosen_ops:
-                results: dict[str, Any] = {}
-                for name in names:
-                    backend = loaded[name]
-                    if status[name] is not None or backend is None:
-                        results[name] = {
-                            "source": backend.source if backend else entries[name].origin,
-                            "backward": "none",
-                            "level": {"forward": "unavailable", "gradient": "unavailable"},
-                            "unavailable": status[name],
-                        }
-                        continue
-                    progress.update(task, description=f"{prof.name} {op_name} {name}")
-                    results[name] = harness.check(
-                        backend, op_name, prof, quick=quick, seeds=seeds,
-                        on_case=lambda _c: progress.advance(task),
-                    )
-                    if not console.is_terminal:  # CI logs: one line per check
-                        lv = results[name]["level"]
-                        console.print(f"{prof.name} {op_name} {name}: forward={lv['forward']}"
-                                      f" gradient={lv['gradient']}", highlight=False)
-                report = build_report(op_name, prof, results, quick=quick, seeds=seeds,
-                                      command=command, library_versions=versions)
-                if out_dir is not None:
-                    write_report(report, out_dir)
-                reports.append(report)
-    return reports
+        bar = progress.add_task("conformance", total=total)
+
+        def advance(_case: object = None) -> None:
+            progress.advance(bar)
+
+        # a backend registered in this process only does not exist in a worker
+        here = [t for t in tasks if jobs == 1 or entries[t.backend].in_process]
+        for task in here:
+            progress.update(bar, description=f"{task.profile} {task.op} {task.backend}")
+            record(task, harness.check(loaded[task.backend], task.op, PROFILES[task.profile],
+                                       quick=quick, seeds=seeds, on_case=advance))
+        elsewhere = [t for t in tasks if t not in here]
+        if elsewhere:
+            progress.update(bar, description=f"{len(elsewhere)} checks in {jobs} processes")
+            check_in_workers(elsewhere, jobs=jobs, quick=quick, seeds=seeds, on_case=advance,
+                             on_result=record)
+    return [finished[(prof.name, op_name)] for prof in chosen_profiles for op_name in chosen_ops]
+
+
+def _unavailable(entry: registry.BackendEntry, backend: registry.Backend | None,
+                 reason: str | None) -> dict[str, Any]:
+    return {
+        "source": backend.source if backend else entry.origin,
+        "backward": "none",
+        "level": {"forward": "unavailable", "gradient": "unavailable"},
+        "unavailable": reason,
+    }
 
 
 def not_run(reports: list[dict[str, Any]]) -> dict[str, str]:

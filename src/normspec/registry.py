@@ -192,6 +192,12 @@ class BackendEntry:
         self.load()
         return self._error
 
+    @property
+    def in_process(self) -> bool:
+        """Registered in this process ([`register`][normspec.registry.register]), not
+        an entry point: another process does not see it."""
+        return self._entry_point is None
+
     def status(self) -> str | None:
         """``None`` when usable here, else why not (broken or unavailable)."""
         backend = self.load()

@@ -1,0 +1,138 @@
+"""Conformance checks side by side in worker processes (``normspec conformance --jobs N``).
+
+One task is one backend's op on one profile: the unit
+[`harness.check`][normspec.harness.check] runs. Each worker is a fresh
+*spawned* process (a forked one would inherit the parent's CUDA context, which
+CUDA does not allow), so it imports torch, discovers the backends through their
+entry points and loads each one it is given, once. The checks are the serial
+run's: the same cases, seeds and gates, so a report does not depend on the
+number of jobs. The workers report every finished case to the parent through a
+queue, which drives the parent's progress bar.
+
+Backends registered in the parent process only
+([`registry.register`][normspec.registry.register]) do not exist in a
+worker; the parent runs those itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, NamedTuple
+
+__all__ = ["Task", "check_in_workers", "validate_jobs"]
+
+
+class Task(NamedTuple):
+    """One check: ``backend``'s ``op`` on ``profile`` (all by name)."""
+
+    backend: str
+    op: str
+    profile: str
+
+
+def validate_jobs(jobs: object) -> int:
+    """``jobs`` as a whole number of worker processes, at least 1."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs: expected a whole number >= 1, got {jobs!r}")
+    return jobs
+
+
+# --- the worker side -------------------------------------------------------------------
+
+_progress: Any = None  # the parent's progress queue, set in each worker by _start_worker
+
+
+def _start_worker(progress: Any) -> None:
+    global _progress
+    _progress = progress
+
+
+def _advance(_case: object) -> None:
+    _progress.put(1)
+
+
+def _check(task: Task, quick: bool, seeds: int | None) -> dict[str, Any]:
+    from . import harness, registry
+    from .profiles import get_profile
+
+    backend = registry.get_backend(task.backend)  # loaded once per worker (the registry keeps it)
+    return harness.check(backend, task.op, get_profile(task.profile), quick=quick, seeds=seeds,
+                         on_case=_advance)
+
+
+# --- the parent side -------------------------------------------------------------------
+
+def check_in_workers(
+    tasks: Sequence[Task],
+    *,
+    jobs: int,
+    quick: bool = False,
+    seeds: int | None = None,
+    on_case: Callable[[], None] | None = None,
+    on_result: Callable[[Task, dict[str, Any]], None] | None = None,
+) -> dict[Task, dict[str, Any]]:
+    """Run ``tasks`` in ``jobs`` spawned worker processes.
+
+    Returns each task's [`harness.check`][normspec.harness.check] result.
+    ``on_case`` is called (in a thread of this process) for every case a
+    worker finishes, ``on_result`` as each task's result arrives.
+
+    Raises:
+        RuntimeError: a check raised in its worker (the message names the task
+            and the error) or a worker died (a crash of native code); the other
+            tasks are cancelled.
+    """
+    validate_jobs(jobs)
+    if not tasks:
+        return {}
+    ctx = multiprocessing.get_context("spawn")
+    progress = ctx.Queue()
+    stop = threading.Event()
+
+    def drain() -> None:
+        # no sentinel: a worker killed while writing may leave the queue's lock held
+        while True:
+            try:
+                progress.get(timeout=0.1)
+            except queue.Empty:
+                if stop.is_set():
+                    return
+                continue
+            if on_case:
+                on_case()
+
+    reader = threading.Thread(target=drain, name="normspec-progress", daemon=True)
+    reader.start()
+    results: dict[Task, dict[str, Any]] = {}
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
+                               initializer=_start_worker, initargs=(progress,))
+    try:
+        futures = {pool.submit(_check, task, quick, seeds): task for task in tasks}
+        for future in as_completed(futures):
+            task = futures[future]
+            try:
+                results[task] = future.result()
+            except BrokenProcessPool as exc:
+                raise RuntimeError(
+                    f"a conformance worker process died (native crash or killed) while "
+                    f"{len(tasks) - len(results)} checks were unfinished; rerun with --jobs 1 "
+                    f"to see which check crashes"
+                ) from exc
+            except Exception as exc:
+                raise RuntimeError(
+                    f"checking {task.backend} {task.op} on {task.profile} raised in its worker: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if on_result:
+                on_result(task, results[task])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        stop.set()
+        reader.join()
+        progress.close()
+    return results
