@@ -8,6 +8,7 @@
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [conformance-ours] [compare] [sweep] [ncu] [ncu-peers] [ncu-fla] [ncu-small] [ncu-small-liger] [ncu-source] [ncu-source-bwd] [launch-floor] [code-warmth] [small-repeat] [launch-overhead] [weight-early] [raw-weight] [quad] [block-fold] [warp-team] [bwd-off32] [bwd-depth2] [racecheck]
 #   (default: all but sweep; stage limits via BUILD_LIMIT, TESTS_LIMIT, CONF_LIMIT, SWEEP_LIMIT, ...;
 #   TESTS_WORKERS: pytest-xdist processes for the tests stage, where xdist is installed;
+#   CONF_JOBS: the conformance stage's worker processes (normspec conformance --jobs);
 #   TESTS_PATHS narrows the tests, SWEEP_ARGS are passed to bench/geometry_sweep.py,
 #   BACKWARD=1 adds the gated backward to the ncu stages; SKIP_BUILD=1 skips the first
 #   default build; small-repeat's REPEAT_LIMIT bounds each of its runs, REPEAT_AFTER_FLUSH
@@ -26,7 +27,7 @@ OUT=${OUT:-$PWD/gpu-evidence}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpu-evidence-logs.XXXXXX")
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} COLUMNS=200
-stages=${*:-tests conformance bench conformance-ours compare}
+stages=${*:-tests conformance bench compare}
 run() {  # run LIMIT NAME CMD...: time-limited stage with its log
   local limit=$1 name=$2; shift 2
   echo "=== $name: $*" | tee -a "$OUT/summary.log"
@@ -75,10 +76,11 @@ for s in $stages; do
       workers=$(xdist_workers)
       run ${TESTS_LIMIT:-200} pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
         $workers ${TESTS_PATHS:-tests} ;;
-    conformance)  # every backend; CONFORMANCE_ARGS e.g. "--quick"
-      run ${CONF_LIMIT:-420} conformance-cuda_bf16 python3 -m nox -s conformance-cuda -- \
-        --profile cuda_bf16 ${CONFORMANCE_ARGS:-} ;;
-    conformance-ours)  # fp16 and fp32: the spec, our kernels and transformers
+    conformance)  # every backend on every CUDA profile, in CONF_JOBS processes side by side
+      # (default 8); CONFORMANCE_ARGS e.g. "--quick"
+      run ${CONF_LIMIT:-420} conformance-cuda python3 -m nox -s conformance-cuda -- \
+        --jobs ${CONF_JOBS:-8} ${CONFORMANCE_ARGS:-} ;;
+    conformance-ours)  # fp16 and fp32: the spec, our kernels and transformers only
       for p in cuda_fp16 cuda_fp32; do
         run ${CONF_OURS_LIMIT:-240} "conformance-$p" python3 -m nox -s conformance-cuda -- \
           --profile "$p" --backend reference --backend torch_ext --backend cupy \

@@ -40,7 +40,7 @@ STAGE_VARIABLES = ("REPEAT_AFTER_FLUSH", "REPEAT_TAG", "RACECHECK_PLANTED",
                    "NORMSPEC_BUILD_DEFINES", "PEERS", "LIGER", "SMALL", "GATED", "FLA",
                    "BACKWARD", "CACHE", "CONFORMANCE_ARGS", "SWEEP_ARGS", "TESTS_PATHS",
                    "TESTS_WORKERS", "OFF32_ROUNDS", "DEPTH2_ROUNDS", "SKIP_BUILD",
-                   "NORMSPEC_ROW_QUAD")
+                   "NORMSPEC_ROW_QUAD", "CONF_JOBS")
 
 
 def _clean_environment() -> dict[str, str]:
@@ -93,6 +93,14 @@ def test_small_repeat_runs_the_protocols_it_is_asked_for(run_stage):
         assert "--processes 3" in line and "--backend liger" in line
     saved = sorted(p.name for p in (run_stage.tree / "bench/results/repeat").iterdir())
     assert saved == ["small_after_flush_1_abc1234.json", "small_warm_flush_1mib_abc1234.json"]
+
+
+def test_conformance_checks_every_cuda_profile_in_worker_processes(run_stage):
+    lines = [ln for ln in run_stage("conformance") if "conformance-cuda" in ln]
+    assert lines == ["python3 -m nox -s conformance-cuda -- --jobs 8"]
+    lines = [ln for ln in run_stage("conformance", CONF_JOBS="3", CONFORMANCE_ARGS="--quick")
+             if "conformance-cuda" in ln]
+    assert lines[-1] == "python3 -m nox -s conformance-cuda -- --jobs 3 --quick"
 
 
 def test_small_repeat_defaults_to_the_bench_protocol_and_one_no_op_kernel(run_stage):
