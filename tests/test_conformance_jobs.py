@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -46,7 +48,7 @@ def test_workers_report_every_case_and_every_result():
                                                              "cpu_fp32")]
     cases, arrived = [], []
     results = check_in_workers(tasks, jobs=2, quick=True, on_case=lambda: cases.append(1),
-                               on_result=lambda task, result: arrived.append(task))
+                               on_result=lambda task, result, seconds: arrived.append(task))
     expected = sum(1 for t in tasks for _ in harness.iter_cases(OPS[t.op], PROFILES[t.profile],
                                                                 quick=True))
     assert len(cases) == expected
@@ -72,6 +74,27 @@ def test_a_check_that_raises_in_its_worker_is_named():
     with pytest.raises(RuntimeError, match=r"checking nope rms_norm on cpu_fp32 raised in its "
                                            r"worker: UnknownBackendError: .*unknown backend"):
         check_in_workers([Task("nope", "rms_norm", "cpu_fp32")], jobs=1, quick=True)
+
+
+def _die(task, quick, seeds):
+    os._exit(3)  # a native crash, as a worker sees it
+
+
+def test_a_worker_that_dies_is_reported():
+    with pytest.raises(RuntimeError, match=r"a conformance worker process died .* while 2 "
+                                           r"checks were unfinished; rerun with --jobs 1"):
+        check_in_workers([Task("reference", "rms_norm", "cpu_fp32"),
+                          Task("reference", "rms_norm_gated", "cpu_fp32")],
+                         jobs=2, quick=True, worker=_die)
+
+
+def test_each_check_is_logged_with_its_time(tmp_path, capsys):
+    assert main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
+                 "--op", "rms_norm", "--profile", "cpu_fp32", "--out", str(tmp_path),
+                 "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"cpu_fp32 rms_norm reference: forward=exact gradient=exact "
+                     r"\(\d+\.\d s\)", out)
 
 
 @pytest.mark.parametrize("jobs", ["0", "-3"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,14 +108,14 @@ def run_conformance(
             write_report(report, out_dir)
         finished[key] = report
 
-    def record(task: Task, result: dict[str, Any]) -> None:
+    def record(task: Task, result: dict[str, Any], seconds: float) -> None:
         key = (task.profile, task.op)
         results[key][task.backend] = result
         pending[key].discard(task.backend)
         if not console.is_terminal:  # CI logs: one line per check
             lv = result["level"]
             console.print(f"{task.profile} {task.op} {task.backend}: forward={lv['forward']}"
-                          f" gradient={lv['gradient']}", highlight=False)
+                          f" gradient={lv['gradient']} ({seconds:.1f} s)", highlight=False)
         if not pending[key]:
             finish(key)
 
@@ -133,8 +134,10 @@ def run_conformance(
         here = [t for t in tasks if jobs == 1 or entries[t.backend].in_process]
         for task in here:
             progress.update(bar, description=f"{task.profile} {task.op} {task.backend}")
-            record(task, harness.check(loaded[task.backend], task.op, PROFILES[task.profile],
-                                       quick=quick, seeds=seeds, on_case=advance))
+            start = time.perf_counter()
+            result = harness.check(loaded[task.backend], task.op, PROFILES[task.profile],
+                                   quick=quick, seeds=seeds, on_case=advance)
+            record(task, result, time.perf_counter() - start)
         elsewhere = [t for t in tasks if t not in here]
         if elsewhere:
             progress.update(bar, description=f"{len(elsewhere)} checks in {jobs} processes")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -56,13 +57,15 @@ def _advance(_case: object) -> None:
     _progress.put(1)
 
 
-def _check(task: Task, quick: bool, seeds: int | None) -> dict[str, Any]:
+def _check(task: Task, quick: bool, seeds: int | None) -> tuple[dict[str, Any], float]:
     from . import harness, registry
     from .profiles import get_profile
 
+    start = time.perf_counter()
     backend = registry.get_backend(task.backend)  # loaded once per worker (the registry keeps it)
-    return harness.check(backend, task.op, get_profile(task.profile), quick=quick, seeds=seeds,
-                         on_case=_advance)
+    result = harness.check(backend, task.op, get_profile(task.profile), quick=quick,
+                           seeds=seeds, on_case=_advance)
+    return result, time.perf_counter() - start
 
 
 # --- the parent side -------------------------------------------------------------------
@@ -74,13 +77,16 @@ def check_in_workers(
     quick: bool = False,
     seeds: int | None = None,
     on_case: Callable[[], None] | None = None,
-    on_result: Callable[[Task, dict[str, Any]], None] | None = None,
+    on_result: Callable[[Task, dict[str, Any], float], None] | None = None,
+    worker: Callable[[Task, bool, int | None], tuple[dict[str, Any], float]] = _check,
 ) -> dict[Task, dict[str, Any]]:
     """Run ``tasks`` in ``jobs`` spawned worker processes.
 
     Returns each task's [`harness.check`][normspec.harness.check] result.
     ``on_case`` is called (in a thread of this process) for every case a
-    worker finishes, ``on_result`` as each task's result arrives.
+    worker finishes, ``on_result`` with the task, its result and its seconds
+    in the worker as each result arrives. ``worker`` is the function a worker
+    runs for a task (an importable module-level function; tests replace it).
 
     Raises:
         RuntimeError: a check raised in its worker (the message names the task
@@ -112,11 +118,11 @@ def check_in_workers(
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
                                initializer=_start_worker, initargs=(progress,))
     try:
-        futures = {pool.submit(_check, task, quick, seeds): task for task in tasks}
+        futures = {pool.submit(worker, task, quick, seeds): task for task in tasks}
         for future in as_completed(futures):
             task = futures[future]
             try:
-                results[task] = future.result()
+                results[task], seconds = future.result()
             except BrokenProcessPool as exc:
                 raise RuntimeError(
                     f"a conformance worker process died (native crash or killed) while "
@@ -129,7 +135,7 @@ def check_in_workers(
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             if on_result:
-                on_result(task, results[task])
+                on_result(task, results[task], seconds)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         stop.set()
