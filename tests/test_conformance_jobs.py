@@ -112,3 +112,14 @@ def test_the_cli_passes_jobs(tmp_path, capsys):
     for profile in ("cpu_fp32", "cpu_bf16"):
         report = json.loads((tmp_path / profile / "rms_norm.json").read_text())
         assert report["results"]["reference"]["level"]["forward"] == "exact"
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (4, 2), (16, 8), (64, 8)])
+def test_the_default_jobs_on_cuda_is_one_per_two_cores_at_most_8(monkeypatch, cores, expected):
+    from normspec import cli
+
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)),
+                        raising=False)
+    assert cli._jobs(None, "cuda") == expected
+    assert cli._jobs(None, "cpu") == 1
+    assert cli._jobs(3, "cpu") == 3

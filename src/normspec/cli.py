@@ -99,14 +99,16 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
 
 
 def _jobs(jobs: int | None, device: str) -> int:
-    """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and up to
-    4 on CUDA (a GPU runs several processes' small launches side by side)."""
+    """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and on CUDA
+    one per two cores, at most 8 (a GPU runs several processes' small launches side by side;
+    each worker also compiles triton kernels on the CPU). On the H200's 16-core host the full
+    CUDA run took 535 s with 4 jobs and 315 s with 8 (notes/perf.md §52)."""
     if jobs is not None:
         return validate_jobs(jobs)
     if device == "cpu":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(4, cores or 1))
+    return max(1, min(8, (cores or 1) // 2))
 
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:
@@ -158,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
     k.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run the checks in N worker processes side by side (default: 1 on "
-                        "cpu, up to 4 on cuda); the reports do not depend on it")
+                        "cpu; on cuda one per two cores, at most 8); the reports do not "
+                        "depend on it")
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
                         "accurate) in every report, forward and gradient (repeatable)")
