@@ -29,6 +29,15 @@ Two backends, because FLA has two gated-norm kernels:
   Tri Dao / mamba kernel that vLLM vendors for ``RMSNormGated.forward_cuda``.
 
 Every path has FLA's own Triton backward (``full``).
+
+FLA's kernels are autotuned (``triton.autotune`` over ``num_warps`` and rows per
+program, e.g. ``fla/modules/norm/layernorm.py`` lines 38-45 in fla-core 0.6.0),
+and the configs round differently: on the H200, a 4096 x 2048 bf16 ``rms_norm``
+gave four different outputs under its four forward configs and the gated norm at
+4096 x 128 two (``bench/results/probes/fla_autotune_bits_9d7e7a9_H200.txt``).
+Which config runs is decided by timing at first use and cached per machine
+(``FLA_CACHE_RESULTS=1``), so this adapter's bits, and its reports' mismatch
+lines, can differ between processes and machines.
 """
 
 from __future__ import annotations
