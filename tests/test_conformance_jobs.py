@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +79,96 @@ def test_a_check_that_raises_in_its_worker_is_named():
     with pytest.raises(RuntimeError, match=r"checking nope rms_norm on cpu_fp32 raised in its "
                                            r"worker: UnknownBackendError: .*unknown backend"):
         check_in_workers([Task("nope", "rms_norm", "cpu_fp32")], jobs=1, quick=True)
+
+
+def _pid(task, quick, seeds):
+    time.sleep(0.5)  # so that one worker cannot take every task
+    return {"pid": os.getpid()}, 0.5
+
+
+def test_the_checks_run_in_several_workers():
+    tasks = [Task("reference", op, "cpu_fp32") for op in ("a", "b", "c", "d")]
+    results = check_in_workers(tasks, jobs=2, worker=_pid)
+    pids = {r["pid"] for r in results.values()}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+def _fail_fast_or_sleep(task, quick, seeds):
+    if task.op == "boom":
+        raise ValueError("boom")
+    time.sleep(60)
+    return {}, 60.0
+
+
+def test_an_error_stops_the_other_checks_at_once():
+    tasks = [Task("reference", op, "cpu_fp32") for op in ("slow1", "boom", "slow2", "slow3")]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="checking reference boom on cpu_fp32 raised in its "
+                                           "worker: ValueError: boom"):
+        check_in_workers(tasks, jobs=2, worker=_fail_fast_or_sleep)
+    assert time.monotonic() - start < 30  # the sleeping checks were not awaited
+
+
+def _record_pid_and_sleep(task, quick, seeds):
+    (Path(task.profile) / str(os.getpid())).touch()
+    time.sleep(120)
+    return {}, 120.0
+
+
+ORPHAN_PARENT = """
+import os, sys, threading, time
+from pathlib import Path
+from normspec.workers import Task, check_in_workers
+from test_conformance_jobs import _record_pid_and_sleep
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    tasks = [Task("reference", op, str(folder)) for op in ("a", "b")]
+    threading.Thread(target=check_in_workers, args=(tasks,),
+                     kwargs={"jobs": 2, "worker": _record_pid_and_sleep}, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os._exit(0)  # no cleanup, as after SIGKILL
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "getppid") or os.name != "posix", reason="POSIX only")
+def test_workers_exit_when_their_parent_dies_without_stopping_them(tmp_path):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN_PARENT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, str(script), str(folder)], env=env, check=True,
+                   timeout=120)
+    pids = [int(p.name) for p in folder.iterdir()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent"
+
+
+def test_a_failing_progress_callback_is_raised_after_the_checks_not_a_hang():
+    def broken():
+        raise OSError("terminal gone")
+
+    with pytest.raises(RuntimeError, match="on_case raised OSError: terminal gone"):
+        check_in_workers([Task("reference", "rms_norm", "cpu_fp32")], jobs=1, quick=True,
+                         on_case=broken)
 
 
 def _die(task, quick, seeds):

@@ -64,7 +64,9 @@ def run_conformance(
     writes each under ``out_dir`` (unless it is ``None``) as soon as its
     checks are done. With ``jobs`` above 1 the checks (one backend's op on
     one profile each) run side by side in that many worker processes (see
-    [`normspec.workers`][normspec.workers]); the reports are the same.
+    [`normspec.workers`][normspec.workers]); the reports are the same. A
+    script that passes ``jobs`` above 1 needs an ``if __name__ == "__main__":``
+    guard around the call (the workers are spawned, and re-import the script).
     """
     validate_jobs(jobs)
     console = console or Console(stderr=True)

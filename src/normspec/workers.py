@@ -9,6 +9,11 @@ run's: the same cases, seeds and gates, so a report does not depend on the
 number of jobs. The workers report every finished case to the parent through a
 queue, which drives the parent's progress bar.
 
+Spawning re-imports the main module in each worker: a script that calls
+[`run_conformance`][normspec.conformance.run_conformance] with ``jobs`` above 1
+must keep that call under ``if __name__ == "__main__":`` (the ``normspec``
+command does).
+
 Backends registered in the parent process only
 ([`registry.register`][normspec.registry.register]) do not exist in a
 worker; the parent runs those itself.
@@ -17,7 +22,9 @@ worker; the parent runs those itself.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +58,18 @@ _progress: Any = None  # the parent's progress queue, set in each worker by _sta
 def _start_worker(progress: Any) -> None:
     global _progress
     _progress = progress
+    # Ctrl-C reaches the whole process group: the parent alone decides, and stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="normspec-orphan",
+                     daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose parent died without stopping it (SIGKILL, the OOM killer) would wait for
+    tasks forever, holding its GPU context: it exits once it is reparented."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _advance(_case: object) -> None:
@@ -99,9 +118,11 @@ def check_in_workers(
     ctx = multiprocessing.get_context("spawn")
     progress = ctx.Queue()
     stop = threading.Event()
+    callback_errors: list[BaseException] = []
 
     def drain() -> None:
-        # no sentinel: a worker killed while writing may leave the queue's lock held
+        # no sentinel: a worker killed while writing may leave the queue's lock held; and
+        # the queue is read to the end whatever on_case does, or the workers' writes block
         while True:
             try:
                 progress.get(timeout=0.1)
@@ -109,14 +130,18 @@ def check_in_workers(
                 if stop.is_set():
                     return
                 continue
-            if on_case:
-                on_case()
+            if on_case and not callback_errors:
+                try:
+                    on_case()
+                except Exception as exc:
+                    callback_errors.append(exc)
 
     reader = threading.Thread(target=drain, name="normspec-progress", daemon=True)
     reader.start()
     results: dict[Task, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
                                initializer=_start_worker, initargs=(progress,))
+    finished = False
     try:
         futures = {pool.submit(worker, task, quick, seeds): task for task in tasks}
         for future in as_completed(futures):
@@ -127,7 +152,8 @@ def check_in_workers(
                 raise RuntimeError(
                     f"a conformance worker process died (native crash or killed) while "
                     f"{len(tasks) - len(results)} checks were unfinished; rerun with --jobs 1 "
-                    f"to see which check crashes"
+                    f"to see which check crashes (a script that runs checks with jobs > 1 "
+                    f"needs an `if __name__ == '__main__':` guard)"
                 ) from exc
             except Exception as exc:
                 raise RuntimeError(
@@ -136,9 +162,23 @@ def check_in_workers(
                 ) from exc
             if on_result:
                 on_result(task, results[task], seconds)
+        finished = True
     finally:
+        if not finished:  # an error or Ctrl-C: the running and queued checks are not awaited
+            _terminate_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
         stop.set()
         reader.join()
         progress.close()
+    if callback_errors:
+        raise RuntimeError(f"on_case raised {type(callback_errors[0]).__name__}: "
+                           f"{callback_errors[0]}") from callback_errors[0]
     return results
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    if hasattr(pool, "terminate_workers"):  # Python 3.14
+        pool.terminate_workers()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
