@@ -78,7 +78,7 @@ for s in $stages; do
         $workers ${TESTS_PATHS:-tests} ;;
     conformance)  # every backend on every CUDA profile, in CONF_JOBS processes side by side
       # (default 8); CONFORMANCE_ARGS e.g. "--quick"
-      run ${CONF_LIMIT:-420} conformance-cuda python3 -m nox -s conformance-cuda -- \
+      run ${CONF_LIMIT:-540} conformance-cuda python3 -m nox -s conformance-cuda -- \
         --jobs ${CONF_JOBS:-8} ${CONFORMANCE_ARGS:-} ;;
     conformance-ours)  # fp16 and fp32: the spec, our kernels and transformers only
       for p in cuda_fp16 cuda_fp32; do
