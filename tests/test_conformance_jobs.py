@@ -162,6 +162,48 @@ def test_workers_exit_when_their_parent_dies_without_stopping_them(tmp_path):
     assert not left, f"workers {left} outlived their parent"
 
 
+INTERRUPTED_PARENT = """
+import signal, sys
+from pathlib import Path
+from normspec.workers import Task, check_in_workers
+from test_conformance_jobs import _record_pid_and_sleep
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    folder = Path(sys.argv[1])
+    tasks = [Task("reference", op, str(folder)) for op in ("a", "b", "c", "d")]
+    check_in_workers(tasks, jobs=2, worker=_record_pid_and_sleep)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX process groups")
+def test_ctrl_c_stops_the_workers_at_once(tmp_path):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    script = tmp_path / "parent.py"
+    script.write_text(INTERRUPTED_PARENT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script), str(folder)], env=env,
+                              start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.name) for p in folder.iterdir()]
+    assert len(pids) == 2
+    start = time.monotonic()
+    os.killpg(parent.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    try:
+        _, err = parent.communicate(timeout=30)
+    finally:
+        parent.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert time.monotonic() - start < 20 and "KeyboardInterrupt" in err
+    assert not any(_alive(p) for p in pids)
+
+
 def test_a_failing_progress_callback_is_raised_after_the_checks_not_a_hang():
     def broken():
         raise OSError("terminal gone")
