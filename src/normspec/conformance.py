@@ -133,14 +133,15 @@ def run_conformance(
             progress.advance(bar)
 
         # a backend registered in this process only does not exist in a worker
-        here = [t for t in tasks if jobs == 1 or entries[t.backend].in_process]
+        here, elsewhere = [], []
+        for task in tasks:
+            (here if jobs == 1 or entries[task.backend].in_process else elsewhere).append(task)
         for task in here:
             progress.update(bar, description=f"{task.profile} {task.op} {task.backend}")
             start = time.perf_counter()
             result = harness.check(loaded[task.backend], task.op, PROFILES[task.profile],
                                    quick=quick, seeds=seeds, on_case=advance)
             record(task, result, time.perf_counter() - start)
-        elsewhere = [t for t in tasks if t not in here]
         if elsewhere:
             progress.update(bar, description=f"{len(elsewhere)} checks in {jobs} processes")
             check_in_workers(elsewhere, jobs=jobs, quick=quick, seeds=seeds, on_case=advance,
