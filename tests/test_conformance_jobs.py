@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from normspec import harness, registry
+from normspec import conformance, harness, registry
 from normspec.backends.reference import ReferenceBackend
 from normspec.cli import main
-from normspec.conformance import run_conformance
+from normspec.conformance import previous_seconds, run_conformance
 from normspec.ops import OPS
 from normspec.profiles import PROFILES
-from normspec.workers import Task, check_in_workers
+from normspec.workers import Task, check_in_workers, longest_first
 
 SELECTION = dict(device="cpu", quick=True, ops=["rms_norm", "rms_norm_gated"],
                  profiles=["cpu_bf16"], backends=["reference", "transformers"])
 
 
 def _without_dates(report: dict) -> dict:
-    return {**report, "environment": {k: v for k, v in report["environment"].items()
-                                      if k != "date"}}
+    return {**{k: v for k, v in report.items() if k != "check_seconds"},
+            "environment": {k: v for k, v in report["environment"].items() if k != "date"}}
 
 
 def test_reports_do_not_depend_on_the_number_of_jobs(tmp_path, monkeypatch):
@@ -41,6 +41,9 @@ def test_reports_do_not_depend_on_the_number_of_jobs(tmp_path, monkeypatch):
     assert [_without_dates(r) for r in side_by_side] == [_without_dates(r) for r in serial]
     assert [(r["profile"], r["op"]) for r in side_by_side] == [
         ("cpu_bf16", "rms_norm"), ("cpu_bf16", "rms_norm_gated")]
+    for r in side_by_side + serial:
+        assert list(r["check_seconds"]) == ["reference", "transformers"]
+        assert all(isinstance(s, float) and s >= 0 for s in r["check_seconds"].values())
     for r in side_by_side:
         assert list(r["results"]) == ["reference", "transformers"]
         assert r["results"]["reference"]["level"] == {"forward": "exact", "gradient": "exact"}
@@ -260,3 +263,60 @@ def test_the_default_jobs_on_cuda_is_one_per_two_cores_at_most_8(monkeypatch, co
     assert cli._jobs(None, "cuda") == expected
     assert cli._jobs(None, "cpu") == 1
     assert cli._jobs(3, "cpu") == 3
+
+
+def test_longest_first_puts_checks_without_a_time_first_then_the_longest():
+    a, b, c, d, e = (Task("x", op, "cpu_fp32") for op in "abcde")
+    seconds = {b: 3.0, c: 40.0, e: 3.0}
+    # d and a have no time: first, in their given order; then 40 s; then the 3 s ties as given
+    assert longest_first([d, b, a, c, e], seconds) == [d, a, c, b, e]
+    assert longest_first([], seconds) == []
+
+
+def _write(folder: Path, profile: str, op: str, text: str) -> None:
+    (folder / profile).mkdir(parents=True, exist_ok=True)
+    (folder / profile / f"{op}.json").write_text(text)
+
+
+def test_previous_seconds_reads_each_reports_check_seconds(tmp_path):
+    _write(tmp_path, "cpu_fp32", "rms_norm", json.dumps(
+        {"check_seconds": {"reference": 2.5, "liger": 80.0, "odd": "slow"}}))
+    _write(tmp_path, "cpu_fp32", "rms_norm_gated", "{not json")
+    _write(tmp_path, "cpu_bf16", "rms_norm", json.dumps({"results": {}}))  # an older report
+    _write(tmp_path, "cpu_bf16", "rms_norm_gated", json.dumps({"check_seconds": [1, 2]}))
+    tasks = [Task(b, op, prof) for prof in ("cpu_fp32", "cpu_bf16", "cpu_none")
+             for op in ("rms_norm", "rms_norm_gated", "fused_add_rms_norm")
+             for b in ("reference", "liger", "odd")]
+    assert previous_seconds(tmp_path, tasks) == {Task("reference", "rms_norm", "cpu_fp32"): 2.5,
+                                                 Task("liger", "rms_norm", "cpu_fp32"): 80.0}
+    assert previous_seconds(tmp_path / "absent", tasks) == {}
+
+
+def test_the_workers_get_the_longest_checks_first_by_the_reports_they_replace(tmp_path,
+                                                                               monkeypatch):
+    _write(tmp_path, "cpu_bf16", "rms_norm", json.dumps(
+        {"check_seconds": {"reference": 1.0, "transformers": 50.0}}))
+    _write(tmp_path, "cpu_bf16", "rms_norm_gated", json.dumps(
+        {"check_seconds": {"reference": 20.0}}))
+    handed: list[Task] = []
+
+    def in_order(tasks, *, jobs, quick, seeds, on_case, on_result):
+        handed.extend(tasks)
+        for i, task in enumerate(tasks):  # as the workers would, with made-up times
+            result = harness.check(registry.get_backend(task.backend), task.op,
+                                   PROFILES[task.profile], quick=quick, seeds=seeds)
+            on_result(task, result, 100.0 + i)
+
+    monkeypatch.setattr(conformance, "check_in_workers", in_order)
+    reports = run_conformance(**SELECTION, out_dir=tmp_path, jobs=2)
+    assert handed == [Task("transformers", "rms_norm_gated", "cpu_bf16"),  # no time yet
+                      Task("transformers", "rms_norm", "cpu_bf16"),
+                      Task("reference", "rms_norm_gated", "cpu_bf16"),
+                      Task("reference", "rms_norm", "cpu_bf16")]
+    # the new reports carry this run's times, and the next run orders by them
+    assert [r["check_seconds"] for r in reports] == [
+        {"reference": 103.0, "transformers": 101.0}, {"reference": 102.0, "transformers": 100.0}]
+    written = json.loads((tmp_path / "cpu_bf16" / "rms_norm.json").read_text())
+    assert written["check_seconds"] == {"reference": 103.0, "transformers": 101.0}
+    assert longest_first(handed, previous_seconds(tmp_path, handed))[0] == Task(
+        "reference", "rms_norm", "cpu_bf16")

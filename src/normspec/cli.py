@@ -160,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="reports", help="report directory (default: reports)")
     k.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run the checks in N worker processes side by side (default: 1 on "
-                        "cpu; on cuda one per two cores, at most 8); the reports do not "
+                        "cpu; on cuda one per two cores, at most 8), the longest first "
+                        "by the times in the reports under --out; the verdicts do not "
                         "depend on it")
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,12 +17,13 @@ from . import harness, registry
 from .ops import OPS
 from .profiles import PROFILES, Profile
 from .report import build_report, write_report
-from .workers import Task, check_in_workers, validate_jobs
+from .workers import Task, check_in_workers, longest_first, validate_jobs
 
 __all__ = [
     "default_device",
     "not_run",
     "parse_requirements",
+    "previous_seconds",
     "profiles_for",
     "requirement_failures",
     "run_conformance",
@@ -67,6 +69,8 @@ def run_conformance(
     [`normspec.workers`][normspec.workers]); the reports are the same. A
     script that passes ``jobs`` above 1 needs an ``if __name__ == "__main__":``
     guard around the call (the workers are spawned, and re-import the script).
+    The workers take the longest checks first, by the times in the reports
+    already under ``out_dir`` ([`previous_seconds`][normspec.conformance.previous_seconds]).
     """
     validate_jobs(jobs)
     console = console or Console(stderr=True)
@@ -87,6 +91,8 @@ def run_conformance(
 
     tasks = [Task(n, op_name, prof.name) for prof in chosen_profiles for op_name in chosen_ops
              for n in runnable]
+    if jobs > 1 and out_dir is not None:
+        tasks = longest_first(tasks, previous_seconds(out_dir, tasks))
     total = sum(
         sum(1 for _ in harness.iter_cases(OPS[t.op], PROFILES[t.profile], quick=quick,
                                           seeds=seeds))
@@ -100,24 +106,28 @@ def run_conformance(
             pending[key] = set(runnable)
             results[key] = {n: _unavailable(entries[n], loaded[n], status[n])
                             for n in names if n not in runnable}
+    seconds: dict[tuple[str, str], dict[str, float]] = {key: {} for key in results}
     finished: dict[tuple[str, str], dict[str, Any]] = {}
 
     def finish(key: tuple[str, str]) -> None:
         ordered = {n: results[key][n] for n in names}
         report = build_report(key[1], PROFILES[key[0]], ordered, quick=quick, seeds=seeds,
-                              command=command, library_versions=versions)
+                              command=command, library_versions=versions,
+                              check_seconds={n: seconds[key][n] for n in names
+                                             if n in seconds[key]})
         if out_dir is not None:
             write_report(report, out_dir)
         finished[key] = report
 
-    def record(task: Task, result: dict[str, Any], seconds: float) -> None:
+    def record(task: Task, result: dict[str, Any], elapsed: float) -> None:
         key = (task.profile, task.op)
         results[key][task.backend] = result
+        seconds[key][task.backend] = elapsed
         pending[key].discard(task.backend)
         if not console.is_terminal:  # CI logs: one line per check
             lv = result["level"]
             console.print(f"{task.profile} {task.op} {task.backend}: forward={lv['forward']}"
-                          f" gradient={lv['gradient']} ({seconds:.1f} s)", highlight=False)
+                          f" gradient={lv['gradient']} ({elapsed:.1f} s)", highlight=False)
         if not pending[key]:
             finish(key)
 
@@ -147,6 +157,30 @@ def run_conformance(
             check_in_workers(elsewhere, jobs=jobs, quick=quick, seeds=seeds, on_case=advance,
                              on_result=record)
     return [finished[(prof.name, op_name)] for prof in chosen_profiles for op_name in chosen_ops]
+
+
+def previous_seconds(out_dir: Path, tasks: Sequence[Task]) -> dict[Task, float]:
+    """The seconds each task's check took in the reports under ``out_dir``.
+
+    Reads ``out_dir/<profile>/<op>.json`` (a report written by an earlier
+    run) for the tasks' profiles and ops; a task whose report is missing,
+    unreadable, or without its backend's ``check_seconds`` has no entry.
+    Only the order of the checks depends on it, never a result.
+    """
+    found: dict[Task, float] = {}
+    for profile, op in sorted({(t.profile, t.op) for t in tasks}):
+        try:
+            report = json.loads((Path(out_dir) / profile / f"{op}.json").read_text())
+            times = report.get("check_seconds") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(times, dict):
+            continue
+        for task in tasks:
+            sec = times.get(task.backend)
+            if (task.profile, task.op) == (profile, op) and isinstance(sec, int | float):
+                found[task] = float(sec)
+    return found
 
 
 def _unavailable(entry: registry.BackendEntry, backend: registry.Backend | None,

@@ -11,6 +11,7 @@ One report per (op, profile), written to ``reports/<profile>/<op>.json``::
       "command": "normspec conformance --device cuda",
       "environment": {...},         # device, capability, torch, CUDA, git commit/dirty, backends
       "checks": {...},              # what was run: variants, shapes, seeds, transforms
+      "check_seconds": {"<backend>": 12.3},  # each check's wall time in its process
       "results": {
         "<backend>": {
           "source": "...", "backward": "full",
@@ -100,10 +101,18 @@ def environment(device: str, backends: dict[str, str | None] | None = None) -> d
 def build_report(
     op_name: str, profile: Profile, results: dict[str, Any], *, quick: bool,
     seeds: int | None, command: str, library_versions: dict[str, str | None],
+    check_seconds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Assemble a report dictionary."""
+    """Assemble a report dictionary.
+
+    ``check_seconds`` holds, for each backend that ran, the wall time of its
+    check in the process that ran it (first-use compiles and autotuning
+    included). It says what the checks cost, not how fast a backend is; a
+    later ``normspec conformance --jobs N`` starts the longest checks first
+    by it.
+    """
     op = get_op(op_name)
-    return {
+    report = {
         "kind": KIND,
         "schema_version": SCHEMA_VERSION,
         "op": op_name,
@@ -121,6 +130,10 @@ def build_report(
         },
         "results": results,
     }
+    if check_seconds is not None:
+        report["check_seconds"] = {name: round(float(sec), 1)
+                                   for name, sec in check_seconds.items()}
+    return report
 
 
 def write_report(report: dict[str, Any], directory: Path) -> Path:

@@ -21,18 +21,19 @@ worker; the parent runs those itself.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
-__all__ = ["Task", "check_in_workers", "validate_jobs"]
+__all__ = ["Task", "check_in_workers", "longest_first", "validate_jobs"]
 
 
 class Task(NamedTuple):
@@ -48,6 +49,19 @@ def validate_jobs(jobs: object) -> int:
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs: expected a whole number >= 1, got {jobs!r}")
     return jobs
+
+
+def longest_first(tasks: Sequence[Task], seconds: Mapping[Task, float]) -> list[Task]:
+    """``tasks`` in the order to hand them to the workers: the longest first.
+
+    ``seconds`` are the checks' times in an earlier run (a report's
+    ``check_seconds``). A check started last should be a short one, or the
+    run waits for it with the other workers idle: so the checks with no time
+    (new to this machine's reports) go first, in their given order, then
+    the others from the longest down (the *longest processing time first*
+    rule).
+    """
+    return sorted(tasks, key=lambda task: -seconds.get(task, math.inf))
 
 
 # --- the worker side -------------------------------------------------------------------
