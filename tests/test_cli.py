@@ -59,6 +59,29 @@ def test_conformance_quick_writes_reports_and_summary(tmp_path, capsys):
         assert report["results"]["reference"]["level"]["forward"] == "exact"
 
 
+def test_conformance_first_lists_the_backends_it_was_given(tmp_path, capsys):
+    # the nox sessions run no `normspec list` before it: this table is the log's record of
+    # what could run and why the others could not
+    rc = main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
+               "--backend", "cupy", "--op", "rms_norm", "--profile", "cpu_fp32", "--out",
+               str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table, _, after = out.partition("cpu_fp32 rms_norm reference: forward=exact")
+    assert "normspec backends" in table and "cupy" in table and "reference" in table
+    assert "transformers" not in table  # only the backends asked for
+    assert "CuPy" in table and "available" in table
+    assert "not run here: cupy: unavailable" in after  # and the end still says why
+
+
+def test_conformance_with_an_unknown_backend_names_the_installed_ones(tmp_path, capsys):
+    assert main(["conformance", "--device", "cpu", "--quick", "--backend", "nope",
+                 "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "unknown backend 'nope'" in out and "reference" in out
+    assert "normspec backends" not in out and not any(tmp_path.iterdir())
+
+
 def test_public_api_is_reachable_from_the_package():
     import normspec
 

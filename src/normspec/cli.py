@@ -31,17 +31,24 @@ from .workers import validate_jobs
 __all__ = ["main"]
 
 
-def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+def _backends_table(names: Sequence[str] | None = None) -> Table:
+    """``normspec list``'s table: every backend (or those named), its status, source, ops."""
     table = Table(title="normspec backends")
     for col in ("backend", "status", "source", "ops (backward)"):
         table.add_column(col)
     for entry, backend in registry.iter_backends():
+        if names and entry.name not in names:
+            continue
         status = entry.status()
         ops = ", ".join(f"{k} ({v.backward})" for k, v in backend.ops.items()) if backend \
             else ""
         table.add_row(entry.name, "[green]available[/]" if status is None else
                       f"[yellow]{status}[/]", backend.source if backend else entry.origin, ops)
-    console.print(table)
+    return table
+
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    console.print(_backends_table())
     return 0
 
 
@@ -78,6 +85,11 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     device = args.device or default_device()
     required = parse_requirements(args.require or [])
+    for name in args.backend or []:
+        if name not in registry.entries():
+            registry.get_backend(name)  # raises before the table, naming the installed ones
+    # what will run and why the others cannot (the statuses are kept: run_conformance's are free)
+    console.print(_backends_table(args.backend))
     reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
                               ops=args.op, profiles=args.profile, seeds=args.seeds,
                               out_dir=Path(args.out), command=_command(), console=console,
@@ -100,9 +112,10 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
 
 def _jobs(jobs: int | None, device: str) -> int:
     """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and on CUDA
-    one per two cores, at most 8 (a GPU runs several processes' small launches side by side;
-    each worker also compiles triton kernels on the CPU). On the H200's 16-core host the full
-    CUDA run took 535 s with 4 jobs and 315 s with 8 (notes/perf.md §52)."""
+    one per two cores, at most 8 (each worker also compiles and autotunes triton kernels on
+    the CPU). On the H200's 16-core host the full CUDA run's checks took some 380 s with 4
+    jobs and 313-322 s with 8; past that the GPU, time-sliced between the workers' contexts,
+    is busy throughout (notes/perf.md §52, §53)."""
     if jobs is not None:
         return validate_jobs(jobs)
     if device == "cpu":
