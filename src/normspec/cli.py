@@ -113,9 +113,9 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
 def _jobs(jobs: int | None, device: str) -> int:
     """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and on CUDA
     one per two cores, at most 8 (each worker also compiles and autotunes triton kernels on
-    the CPU). On the H200's 16-core host the full CUDA run's checks took some 380 s with 4
-    jobs and 313-322 s with 8; past that the GPU, time-sliced between the workers' contexts,
-    is busy throughout (notes/perf.md §52, §53)."""
+    the CPU). On the H200's 16-core host the full CUDA run took 535 s with 4 jobs, the first
+    build (about 150 s) included, and 313-322 s after the build with 8, during which the GPU,
+    time-sliced between the workers' contexts, was busy throughout (notes/perf.md §52, §53)."""
     if jobs is not None:
         return validate_jobs(jobs)
     if device == "cpu":
