@@ -268,4 +268,23 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(nan_a ^ nan_b, big, d)
 
 
-__all__ += ["ulp_distance"]
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bit pattern, or NaN in both. Returns bool.
+
+    This is what *bitwise equal* means throughout normspec: ``-0.0`` and
+    ``+0.0`` differ (unlike ``ulp_distance(a, b) == 0`` or ``a == b``); NaN
+    payloads and signs do not count, since IEEE 754 leaves them open and
+    devices differ (x86's default NaN is negative, CUDA's is not; torch
+    rounds a NaN to bf16 as ``0x7fc0`` on the CPU and ``0x7fff`` on CUDA).
+    """
+    if a.dtype != b.dtype:
+        raise TypeError(f"same_bits: dtypes differ, got {a.dtype} and {b.dtype}")
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    if a.dtype not in bits:
+        raise TypeError(f"same_bits: expected float32, float16 or bfloat16, got {a.dtype}")
+    ia = a.contiguous().view(bits[a.dtype])
+    ib = b.contiguous().view(bits[b.dtype])
+    return (ia == ib) | (torch.isnan(a) & torch.isnan(b))
+
+
+__all__ += ["same_bits", "ulp_distance"]

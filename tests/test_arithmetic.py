@@ -143,6 +143,16 @@ def test_div_is_correctly_rounded():
     assert torch.all(between)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_same_bits_tells_signed_zeros_apart_and_matches_any_nan(dtype):
+    a = torch.tensor([1.0, -0.0, 0.0, math.nan, math.nan, 2.0], dtype=dtype)
+    b = torch.tensor([1.0, 0.0, 0.0, -math.nan, 3.0, 2.0], dtype=dtype)
+    assert A.same_bits(a, b).tolist() == [True, False, True, True, False, True]
+    assert A.ulp_distance(a, b)[1] == 0  # what the ulp distance cannot tell
+    with pytest.raises(TypeError, match="same_bits: dtypes differ"):
+        A.same_bits(a, b.float() if dtype != torch.float32 else b.double())
+
+
 def test_ulp_distance():
     a = torch.tensor([1.0, -0.0, 0.0, math.nan, 1.0], dtype=torch.bfloat16)
     b = torch.tensor([1.0078125, 0.0, -0.0, math.nan, math.nan], dtype=torch.bfloat16)

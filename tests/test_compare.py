@@ -176,3 +176,13 @@ def test_cli_entry_writes_json_and_png(tmp_path, capsys):
     assert json.loads(j.read_text())["labels"] == ["reference", "transformers"]
     assert p.stat().st_size > 0
     assert main_compare(["--op", "rms_norm", "--profile", "cpu_fp32", "--backend", "nope"]) == 2
+
+
+def test_a_signed_zero_counts_as_a_difference_in_the_matrix():
+    from normspec.compare import _accumulate, _PairStats
+
+    st = _PairStats()
+    a = torch.tensor([-0.0, 1.0, math.nan], dtype=torch.bfloat16)
+    _accumulate(st, a + 0.0, a, seed=3)  # only the zero's sign changes
+    assert (st.numel, st.equal, st.max_ulp, st.max_abs) == (3, 2, 0, 0.0)
+    assert st.seeds == {3} and st.cases_differ == 1

@@ -127,6 +127,23 @@ def test_exactness_is_checked_bit_for_bit():
     assert fwd["mismatch_lines"] and not fwd["failed_lines"]
 
 
+def test_a_signed_zero_is_not_bitwise_equal():
+    from normspec.gates import compare
+    from normspec.harness import GateResult
+
+    ref = torch.tensor([[-0.0, 1.5], [0.0, -2.0]], dtype=torch.bfloat16)
+    got = ref + 0.0  # -0.0 + 0.0 is +0.0; every other element keeps its bits
+    c = compare("y", got, ref, "forward")
+    assert (c.bitwise, c.within_tolerance, c.max_ulp, c.max_abs) == (False, True, 0, 0.0)
+    assert (c.equal_fraction, c.signed_zeros) == (0.75, 1)
+    gate = GateResult()
+    gate.record(c, "rms_norm[offset=1.0]/bfloat16/2x2/w=fp32/seed=0", "forward")
+    assert gate.level == "invariant"  # within tolerance, but not the spec's bits
+    assert "signed_zeros=1 passed=True" in gate.mismatch_lines[0]
+    same = compare("y", ref.clone(), ref, "forward")
+    assert same.bitwise and same.signed_zeros == 0 and same.equal_fraction == 1.0
+
+
 def test_gradient_tolerance_gate_fails():
     class BadGrad(Wrong):
         def forward(self, op, rows, weight, *, eps, **params):

@@ -5,9 +5,9 @@ supports an operator (and the requested parameters) on identical inputs —
 every shape of the profile, every weight dtype, several seeds — and builds,
 for each output tensor, the pairwise matrix of
 
-* **% bitwise equal**: elements with the same bit pattern (NaN equals NaN,
-  ``-0.0`` equals ``+0.0`` as in
-  [`ulp_distance`][normspec.spec.arithmetic.ulp_distance]), over all cases;
+* **% bitwise equal**: elements with the same bit pattern, over all cases
+  ([`same_bits`][normspec.spec.arithmetic.same_bits]: a NaN equals any NaN,
+  ``-0.0`` does not equal ``+0.0``);
 * **differing seeds**: how many seeds had at least one differing element;
 * **max |diff|**: over finite pairs (a NaN or ±inf against a number counts as
   ``inf``);
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from normspec.spec.arithmetic import ulp_distance
+from normspec.spec.arithmetic import same_bits, ulp_distance
 
 from . import registry
 from .ops import OpDef, get_op, variant_name
@@ -160,7 +160,7 @@ def _accumulate(st: _PairStats, a: torch.Tensor, b: torch.Tensor, seed: int) -> 
     if n == 0:
         return
     d = ulp_distance(a, b)
-    eq = int((d == 0).sum())
+    eq = int(same_bits(a, b).sum())  # -0.0 against +0.0 is not equal, though 0 ulp apart
     st.equal += eq
     st.max_ulp = max(st.max_ulp, int(d.max()))
     a64, b64 = a.double(), b.double()

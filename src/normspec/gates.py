@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from normspec.spec.arithmetic import ulp_distance
+from normspec.spec.arithmetic import same_bits, ulp_distance
 
 __all__ = ["LEVELS", "TOLERANCES", "Comparison", "Tolerance", "compare", "level_of"]
 
@@ -44,7 +44,14 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
 
 @dataclass(frozen=True)
 class Comparison:
-    """Statistics of one tensor against its reference."""
+    """Statistics of one tensor against its reference.
+
+    ``bitwise`` and ``equal_fraction`` count equal bit patterns
+    ([`same_bits`][normspec.spec.arithmetic.same_bits]: a NaN matches any
+    NaN, ``-0.0`` does not match ``+0.0``); ``signed_zeros`` counts the
+    elements that differ only in the sign of a zero, which ``max_ulp`` and
+    ``max_abs`` (both 0 there) cannot show.
+    """
 
     tensor: str
     bitwise: bool
@@ -54,6 +61,7 @@ class Comparison:
     max_abs: float
     max_rel: float
     numel: int
+    signed_zeros: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,9 +83,10 @@ def compare(
     if ref.numel() == 0:
         return Comparison(name, True, True, 1.0, 0, 0.0, 0.0, 0)
     d = ulp_distance(got, ref)
-    # a count, not a mean: CUDA's mean multiplies by 1/numel, so an all-equal tensor
-    # could read 0.9999999999999999; the count also answers "bitwise" (one sync)
-    n_equal = int((d == 0).sum().item())
+    same = same_bits(got, ref)
+    # counts, not means: CUDA's mean multiplies by 1/numel, so an all-equal tensor
+    # could read 0.9999999999999999; the counts also answer "bitwise" (one sync for both)
+    n_equal, n_zero_ulp = torch.stack([same.sum(), (d == 0).sum()]).tolist()
     bitwise = n_equal == ref.numel()
     g64, r64 = got.double(), ref.double()
     both_nan = torch.isnan(g64) & torch.isnan(r64)
@@ -100,6 +109,7 @@ def compare(
         max_abs=float(diff.max().item()),
         max_rel=float(torch.nan_to_num(rel, nan=float("inf")).max().item()),
         numel=ref.numel(),
+        signed_zeros=n_zero_ulp - n_equal,
     )
 
 

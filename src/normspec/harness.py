@@ -95,7 +95,8 @@ class GateResult:
         s["max_rel"] = max(s["max_rel"], c.max_rel)
         line = (f"{stage} case={label} tensor={c.tensor} vs=spec max_ulp={c.max_ulp} "
                 f"max_abs={c.max_abs:.8e} equal={100 * c.equal_fraction:.2f}% "
-                f"passed={c.within_tolerance}")
+                + (f"signed_zeros={c.signed_zeros} " if c.signed_zeros else "")
+                + f"passed={c.within_tolerance}")
         if not c.bitwise:
             self.bitwise = False
             if len(self.mismatch_lines) < MAX_LINES:
