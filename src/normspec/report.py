@@ -11,7 +11,6 @@ One report per (op, profile), written to ``reports/<profile>/<op>.json``::
       "command": "normspec conformance --device cuda",
       "environment": {...},         # device, capability, torch, CUDA, git commit/dirty, backends
       "checks": {...},              # what was run: variants, shapes, seeds, transforms
-      "check_seconds": {"<backend>": 12.3},  # each check's wall time in its process
       "results": {
         "<backend>": {
           "source": "...", "backward": "full",
@@ -21,7 +20,8 @@ One report per (op, profile), written to ``reports/<profile>/<op>.json``::
             "gradient": {...}
           }
         }
-      }
+      },
+      "check_seconds": {"<backend>": 12.3}   # each check's wall time in its process
     }
 """
 
