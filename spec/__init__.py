@@ -6,7 +6,7 @@ output bit pattern on every device. See [`arithmetic`][normspec.spec.arithmetic]
 for the shared rules.
 """
 
-from .arithmetic import exp_fp32, sigmoid_fp32, silu_fp32, tree_sum, ulp_distance
+from .arithmetic import exp_fp32, same_bits, sigmoid_fp32, silu_fp32, tree_sum, ulp_distance
 from .fused_add import fused_add_rms_norm, fused_add_rms_norm_backward
 from .gated import rms_norm_gated, rms_norm_gated_backward
 from .presets import (
@@ -31,6 +31,7 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "same_bits",
     "sigmoid_fp32",
     "silu_fp32",
     "tree_sum",

@@ -279,6 +279,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dtype != b.dtype:
         raise TypeError(f"same_bits: dtypes differ, got {a.dtype} and {b.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"same_bits: shapes differ, got {tuple(a.shape)} and {tuple(b.shape)}")
     bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
     if a.dtype not in bits:
         raise TypeError(f"same_bits: expected float32, float16 or bfloat16, got {a.dtype}")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
+from normspec import registry
+from normspec.backends.reference import ReferenceBackend
 from normspec.cli import main
 
 
@@ -62,16 +65,27 @@ def test_conformance_quick_writes_reports_and_summary(tmp_path, capsys):
 def test_conformance_first_lists_the_backends_it_was_given(tmp_path, capsys):
     # the nox sessions run no `normspec list` before it: this table is the log's record of
     # what could run and why the others could not
-    rc = main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
-               "--backend", "cupy", "--op", "rms_norm", "--profile", "cpu_fp32", "--out",
-               str(tmp_path)])
+    class Missing(ReferenceBackend):
+        name, source = "missing-lib", "mylib 0.0 (a test's stand-in)"
+
+        def available(self):
+            return "mylib is not installed (pip install mylib)"
+
+    registry.register(Missing())
+    try:
+        rc = main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
+                   "--backend", "missing-lib", "--op", "rms_norm", "--profile", "cpu_fp32",
+                   "--out", str(tmp_path)])
+    finally:
+        registry.unregister("missing-lib")
     assert rc == 0
     out = capsys.readouterr().out
     table, _, after = out.partition("cpu_fp32 rms_norm reference: forward=exact")
-    assert "normspec backends" in table and "cupy" in table and "reference" in table
+    assert "normspec backends" in table
+    assert re.search(r"│ missing-lib\s+│ unavailable: mylib is not installed", table)
+    assert re.search(r"│ reference\s+│ available\s+│ normspec", table)
     assert "transformers" not in table  # only the backends asked for
-    assert "CuPy" in table and "available" in table
-    assert "not run here: cupy: unavailable" in after  # and the end still says why
+    assert "not run here: missing-lib: unavailable: mylib" in after  # the end says it again
 
 
 def test_conformance_with_an_unknown_backend_names_the_installed_ones(tmp_path, capsys):

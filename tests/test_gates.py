@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -139,9 +140,28 @@ def test_a_signed_zero_is_not_bitwise_equal():
     gate = GateResult()
     gate.record(c, "rms_norm[offset=1.0]/bfloat16/2x2/w=fp32/seed=0", "forward")
     assert gate.level == "invariant"  # within tolerance, but not the spec's bits
-    assert "signed_zeros=1 passed=True" in gate.mismatch_lines[0]
+    assert "max_ulp=0 max_abs=0.00000000e+00 signed_zeros=1 equal=75.00% passed=True" in \
+        gate.mismatch_lines[0]
+    assert gate.stats["y"]["signed_zeros"] == 1
     same = compare("y", ref.clone(), ref, "forward")
     assert same.bitwise and same.signed_zeros == 0 and same.equal_fraction == 1.0
+
+
+def test_an_invariance_break_in_a_zeros_sign_alone_is_named():
+    class ZeroSign(Wrong):
+        """Its first column is +0.0, but -0.0 when the batch is one row: 0 ulp, 0 apart."""
+
+        def forward(self, op, rows, weight, *, eps, **params):
+            (y,) = super().forward(op, rows, weight, eps=eps, **params)
+            zero = -0.0 if rows["x"].shape[0] == 1 else 0.0
+            return (torch.cat([torch.full_like(y[:, :1], zero), y[:, 1:]], dim=1),)
+
+    result = check(ZeroSign("zero-sign"), "rms_norm", PROFILE)
+    fwd = result["contract_gates"]["forward"]
+    assert result["level"]["forward"] != "exact"
+    batch = [line for line in fwd["failed_lines"] if "transform=batch " in line]
+    assert batch and all(re.search(r"max_ulp=0 max_abs=0\.00000000e\+00 signed_zeros=12 "
+                                   r"passed=False$", line) for line in batch)  # N rows
 
 
 def test_gradient_tolerance_gate_fails():

@@ -36,9 +36,10 @@ def _backends_table(names: Sequence[str] | None = None) -> Table:
     table = Table(title="normspec backends")
     for col in ("backend", "status", "source", "ops (backward)"):
         table.add_column(col)
-    for entry, backend in registry.iter_backends():
-        if names and entry.name not in names:
-            continue
+    entries = registry.entries()
+    for name in sorted(set(names or entries)):
+        entry = entries[name]
+        backend = entry.load()  # only those in the table: --backend X imports X alone
         status = entry.status()
         ops = ", ".join(f"{k} ({v.backward})" for k, v in backend.ops.items()) if backend \
             else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +67,7 @@ def run_conformance(
     writes each under ``out_dir`` (unless it is ``None``) as soon as its
     checks are done. With ``jobs`` above 1 the checks (one backend's op on
     one profile each) run side by side in that many worker processes (see
-    [`normspec.workers`][normspec.workers]); the reports are the same. A
+    [`normspec.workers`][normspec.workers]); the verdicts are the same. A
     script that passes ``jobs`` above 1 needs an ``if __name__ == "__main__":``
     guard around the call (the workers are spawned, and re-import the script).
     The workers take the longest checks first, by the times in the reports
@@ -178,7 +179,8 @@ def previous_seconds(out_dir: Path, tasks: Sequence[Task]) -> dict[Task, float]:
             continue
         for task in tasks:
             sec = times.get(task.backend)
-            if (task.profile, task.op) == (profile, op) and isinstance(sec, int | float):
+            if ((task.profile, task.op) == (profile, op) and isinstance(sec, int | float)
+                    and not isinstance(sec, bool) and math.isfinite(sec) and sec >= 0):
                 found[task] = float(sec)
     return found
 

@@ -88,15 +88,15 @@ class GateResult:
     def record(self, c: Comparison, label: str, stage: str) -> None:
         self.ran += 1
         s = self.stats.setdefault(c.tensor, {"min_equal_fraction": 1.0, "max_ulp": 0,
-                                             "max_abs": 0.0, "max_rel": 0.0})
+                                             "max_abs": 0.0, "max_rel": 0.0,
+                                             "signed_zeros": 0})
         s["min_equal_fraction"] = min(s["min_equal_fraction"], c.equal_fraction)
         s["max_ulp"] = max(s["max_ulp"], c.max_ulp)
         s["max_abs"] = max(s["max_abs"], c.max_abs)
         s["max_rel"] = max(s["max_rel"], c.max_rel)
-        line = (f"{stage} case={label} tensor={c.tensor} vs=spec max_ulp={c.max_ulp} "
-                f"max_abs={c.max_abs:.8e} equal={100 * c.equal_fraction:.2f}% "
-                + (f"signed_zeros={c.signed_zeros} " if c.signed_zeros else "")
-                + f"passed={c.within_tolerance}")
+        s["signed_zeros"] = s.get("signed_zeros", 0) + c.signed_zeros
+        line = (f"{stage} case={label} tensor={c.tensor} vs=spec {_differences(c)} "
+                f"equal={100 * c.equal_fraction:.2f}% passed={c.within_tolerance}")
         if not c.bitwise:
             self.bitwise = False
             if len(self.mismatch_lines) < MAX_LINES:
@@ -114,6 +114,13 @@ class GateResult:
         return {"passed": self.passed, "level": self.level, "failed_lines": self.failed_lines,
                 "mismatch_lines": self.mismatch_lines, "statistics": self.stats,
                 "comparisons": self.ran, "repro": self.repro}
+
+
+def _differences(c: Comparison) -> str:
+    """A line's measure of how far apart: ulps, the largest absolute difference, and the
+    elements that differ only in a zero's sign (where the other two read 0)."""
+    zeros = f" signed_zeros={c.signed_zeros}" if c.signed_zeros else ""
+    return f"max_ulp={c.max_ulp} max_abs={c.max_abs:.8e}{zeros}"
 
 
 def iter_cases(
@@ -193,7 +200,7 @@ def _invariance(
                 gate.invariant = False
                 gate.fail(f"invariance pair=('{backend_name}/full', '{backend_name}/{t.name}') "
                           f"tensor={name} transform={t.name} case={label} "
-                          f"max_abs={c.max_abs:.8e} passed=False")
+                          f"{_differences(c)} passed=False")
 
 
 def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: GateResult,
@@ -242,7 +249,7 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
             grad.invariant = False
             grad.fail(f"invariance pair=('{backend.name}/batch', 'spec/row_tree(singletons)') "
                       f"tensor=dweight transform=singleton_aggregation case={label} "
-                      f"max_abs={c.max_abs:.8e} passed=False")
+                      f"{_differences(c)} passed=False")
 
 
 def check(
