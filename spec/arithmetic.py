@@ -281,9 +281,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"same_bits: dtypes differ, got {a.dtype} and {b.dtype}")
     if a.shape != b.shape:
         raise ValueError(f"same_bits: shapes differ, got {tuple(a.shape)} and {tuple(b.shape)}")
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.float64: torch.int64}
     if a.dtype not in bits:
-        raise TypeError(f"same_bits: expected float32, float16 or bfloat16, got {a.dtype}")
+        raise TypeError(f"same_bits: expected float32, float16, bfloat16 or float64, "
+                        f"got {a.dtype}")
     ia = a.contiguous().view(bits[a.dtype])
     ib = b.contiguous().view(bits[b.dtype])
     return (ia == ib) | (torch.isnan(a) & torch.isnan(b))

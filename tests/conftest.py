@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from normspec.spec.arithmetic import same_bits
+
 HAS_CUDA = torch.cuda.is_available()
 LAUNCH_PROBE = Path(__file__).resolve().parent / "launch_probe"
 CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
@@ -85,11 +87,4 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.float64: torch.int64}
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(nan_a, nan_b):
-        return False
-    ia, ib = a.view(ints[a.dtype]), b.view(ints[b.dtype])
-    return bool(torch.equal(ia[~nan_a], ib[~nan_b]))
+    return bool(same_bits(a.detach().cpu(), b.detach().cpu()).all())

@@ -151,6 +151,8 @@ def test_same_bits_tells_signed_zeros_apart_and_matches_any_nan(dtype):
     assert A.ulp_distance(a, b)[1] == 0  # what the ulp distance cannot tell
     with pytest.raises(TypeError, match="same_bits: dtypes differ"):
         A.same_bits(a, b.float() if dtype != torch.float32 else b.double())
+    with pytest.raises(ValueError, match=r"same_bits: shapes differ, got \(6,\) and \(1, 6\)"):
+        A.same_bits(a, b[None])
 
 
 def test_ulp_distance():
