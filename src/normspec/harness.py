@@ -94,7 +94,7 @@ class GateResult:
         s["max_ulp"] = max(s["max_ulp"], c.max_ulp)
         s["max_abs"] = max(s["max_abs"], c.max_abs)
         s["max_rel"] = max(s["max_rel"], c.max_rel)
-        s["signed_zeros"] = s.get("signed_zeros", 0) + c.signed_zeros
+        s["signed_zeros"] += c.signed_zeros
         line = (f"{stage} case={label} tensor={c.tensor} vs=spec {_differences(c)} "
                 f"equal={100 * c.equal_fraction:.2f}% passed={c.within_tolerance}")
         if not c.bitwise:
