@@ -53,7 +53,7 @@ def launch_probe(tmp_path_factory) -> Path:
         pytest.skip("nvcc not found")
     sources = [LAUNCH_PROBE / "launch_probe.cu", LAUNCH_PROBE / "fake_cudart.cpp"]
     digest = hashlib.sha256(NVCC.encode())
-    for path in sorted([*sources, *CSRC.iterdir()]):
+    for path in sorted([*sources, *(p for p in CSRC.rglob("*") if p.is_file())]):
         digest.update(path.name.encode() + path.read_bytes())
     name = f"launch_probe-{digest.hexdigest()[:16]}"
     kept = os.environ.get("NORMSPEC_BUILD_DIR")

@@ -1,8 +1,8 @@
 """The CUDA sources compile with this machine's nvcc for sm_90 (skipped without nvcc).
 
-The kernels and their launchers (``normspec_launch*.cu``, torch-free; the file
-the CuPy backend shares through ``normspec_kernels.cuh``) are compiled to an
-object; the torch-facing ``normspec_cuda.cpp`` is compiled by the host
+The kernels and their launchers (``normspec_launch.cu``, ``launch_units/*.cu``,
+torch-free; the file the CuPy backend shares through ``normspec_kernels.cuh``) are
+compiled to objects; the torch-facing ``normspec_cuda.cpp`` is compiled by the host
 compiler against torch's and CUDA's headers. A CUDA compile error therefore
 shows up here, on any machine with nvcc, before it reaches a GPU.
 """
@@ -32,9 +32,14 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
-#: The torch-free translation units: the entry points and one per dtype.
-LAUNCH_UNITS = ("normspec_launch.cu", "normspec_launch_f32.cu", "normspec_launch_bf16.cu",
-                "normspec_launch_f16.cu")
+#: The torch-free translation units: the entry points, then the launch units (one forward
+#: or backward of one op and dtype each, as the extension build compiles them).
+LAUNCH_UNITS = ("normspec_launch.cu",
+                *sorted(f"launch_units/{p.name}" for p in (CSRC / "launch_units").glob("*.cu")))
+#: What a launch unit's name says it instantiates: dtype, op and direction.
+UNIT_DTYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half"}
+UNIT_OPS = {"rms": "OP_RMS", "fused": "OP_FUSED", "fused_sum": "OP_FUSED_SUM",
+            "gated": "OP_GATED"}
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
@@ -51,11 +56,10 @@ def test_kernel_sources_include_no_torch_header():
 @needs_nvcc
 def test_kernels_compile_for_sm90(tmp_path):
     """Every launch unit compiles (in parallel, as the extension build does), they link into
-    one library, and the
-    dispatcher's per-dtype entry points are exactly what the dtype units define."""
+    one library, and the entry points' calls are exactly what the launch units define."""
     procs = {}
     for name in LAUNCH_UNITS:
-        obj = tmp_path / (name + ".o")
+        obj = tmp_path / (Path(name).name + ".o")
         cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC",
                "-I", str(CSRC), "-c", str(CSRC / name), "-o", str(obj)]
         procs[name] = (obj, subprocess.Popen(cmd, stdout=subprocess.PIPE,
@@ -78,12 +82,41 @@ def test_kernels_compile_for_sm90(tmp_path):
         found = (re.match(r"^\s*(?:[0-9a-fA-F]+\s+)?([A-Za-z])\s+(.*)$", line)
                  for line in out.splitlines())
         return {m.group(2) for m in found
-                if m and m.group(1) in kinds and "dispatch_op<" in m.group(2)}
+                if m and m.group(1) in kinds
+                and re.search(r"launch_detail::(forward|backward)_t<", m.group(2))}
 
+    # the entry points leave every forward_t / backward_t to the units, each of which
+    # defines one
     wanted = symbols("normspec_launch.cu", "U")
-    assert len(wanted) == 3, wanted
-    defined = set().union(*(symbols(name, "WT") for name in LAUNCH_UNITS[1:]))
-    assert wanted <= defined, wanted - defined
+    assert len(wanted) == 21, wanted
+    defined = [symbols(name, "WT") for name in LAUNCH_UNITS[1:]]
+    assert all(len(d) == 1 for d in defined), defined
+    assert wanted == set().union(*defined), wanted ^ set().union(*defined)
+
+
+def test_launch_units_instantiate_what_their_names_say():
+    """Every (dtype, op, direction) has its unit, and a unit instantiates what its name
+    says: a misnamed unit would build, yet leave the timing claims of the docs about
+    another kernel (the symbol test above holds the set, this one the names)."""
+    seen = set()
+    for name in LAUNCH_UNITS[1:]:
+        dtype, rest = Path(name).stem.split("_", 1)
+        op, direction = rest.rsplit("_", 1)
+        macro = {"forward": "NORMSPEC_FORWARD_UNIT", "backward": "NORMSPEC_BACKWARD_UNIT"}
+        line = f"{macro[direction]}({UNIT_OPS[op]}, {UNIT_DTYPES[dtype]})"
+        assert line in (CSRC / name).read_text().splitlines(), f"{name}: expected {line}"
+        seen.add((dtype, op, direction))
+    kinds = {(op, "forward") for op in ("rms", "fused", "gated")} | {
+        (op, "backward") for op in UNIT_OPS}
+    assert seen == {(d, op, direction) for d in UNIT_DTYPES for op, direction in kinds}
+
+
+def test_extension_build_compiles_every_launch_unit():
+    pytest.importorskip("torch")
+    from normspec.backends.torch_ext import _build
+
+    assert set(_build.LAUNCH_UNITS) == set(LAUNCH_UNITS[1:])
+    assert set(_build.CUDA_SOURCES) >= {"normspec_launch.cu", *LAUNCH_UNITS[1:]}
 
 
 ROW_VECTOR_PROBE = r"""

@@ -1,18 +1,19 @@
-// Entry points of the normspec CUDA kernels (normspec_launch.h); the kernels
-// of each dtype are instantiated in normspec_launch_{f32,bf16,f16}.cu.
+// Entry points of the normspec CUDA kernels (normspec_launch.h); the kernels are
+// instantiated in the launch units, launch_units/<dtype>_<op>_<direction>.cu.
 #include <atomic>
 
 #include "normspec_launch_impl.cuh"
 
 namespace normspec {
 namespace launch_detail {
-extern template void dispatch_op<float>(int op, bool backward, const LaunchArgs& a, float* ws,
-                                    const BackwardPlan* plan, cudaStream_t stream);
-extern template void dispatch_op<__nv_bfloat16>(int op, bool backward, const LaunchArgs& a,
-                                                float* ws, const BackwardPlan* plan,
-                                                cudaStream_t stream);
-extern template void dispatch_op<__half>(int op, bool backward, const LaunchArgs& a, float* ws,
-                                    const BackwardPlan* plan, cudaStream_t stream);
+#define NS_EXTERN_FORWARD(OP, T) \
+  extern template void forward_t<OP, T>(const LaunchArgs& a, cudaStream_t stream);
+#define NS_EXTERN_BACKWARD(OP, T)                                                     \
+  extern template void backward_t<OP, T>(const LaunchArgs& a, float* ws,              \
+                                         const BackwardPlan& plan, cudaStream_t stream);
+NORMSPEC_EACH_UNIT(NS_EXTERN_FORWARD, NS_EXTERN_BACKWARD)
+#undef NS_EXTERN_FORWARD
+#undef NS_EXTERN_BACKWARD
 }  // namespace launch_detail
 
 using namespace launch_detail;

@@ -3,10 +3,11 @@
 The operators ``torch.ops.normspec.*`` (schemas declared once in
 ``csrc/normspec_ops.cpp``; CPU kernels in ``normspec_cpu.cpp``; CUDA kernels in
 ``normspec_pipe.cuh`` and ``normspec_kernels.cuh``, launched by
-``normspec_launch*.cu`` from ``normspec_cuda.cpp``) are bitwise equal to the
+``normspec_launch.cu`` from ``normspec_cuda.cpp``) are bitwise equal to the
 spec, forward and backward. The extension is compiled on first use (or ahead
-of time by ``normspec build``; the CUDA kernels of each dtype are a translation
-unit of their own, compiled in parallel) and cached.
+of time by ``normspec build``; the kernels of each op, direction and dtype are a
+translation unit of their own, ``csrc/launch_units/*.cu``, compiled side by side)
+and cached.
 
 CUDA kernels. Rows that are 16-byte aligned (pointer and row stride) and at most
 1024 vectors long (8192 bf16/fp16 or 4096 fp32 elements) run on the *pipelined*

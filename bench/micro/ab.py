@@ -19,11 +19,12 @@ Stopped by SIGTERM (``timeout``) or Ctrl-C while running, it still prints (and w
 the medians of the runs that ended, marked as stopped early, and exits with 3.
 
 Flags that start with ``-`` need the ``--build=FLAGS`` spelling. The launcher's
-translation units (``backends/csrc/normspec_launch*.cu``) are linked where the harness
-calls the shipped launcher's entry points (it includes ``normspec_launch.h``) and not
-where it compiles the launcher itself (it includes ``normspec_launch_impl.cuh``: linking
-both defines every kernel twice); ``--launch-units`` / ``--no-launch-units`` say it
-explicitly. Needs ``nvcc`` (``$CUDA_HOME/bin`` or ``PATH``) and, to run, a CUDA GPU.
+translation units (``backends/csrc/normspec_launch.cu`` and ``launch_units/*.cu``) are
+linked where the harness calls the shipped launcher's entry points (it includes
+``normspec_launch.h``) and not where it compiles the launcher itself (it includes
+``normspec_launch_impl.cuh``: linking both defines every kernel twice);
+``--launch-units`` / ``--no-launch-units`` say it explicitly. Needs ``nvcc``
+(``$CUDA_HOME/bin`` or ``PATH``) and, to run, a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ CSRC = ROOT / "backends" / "csrc"
 #: arithmetic, no fused multiply-add), for sm_90a as on the H200.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-arch=sm_90a", "-fmad=false", "--ftz=false",
               "--prec-div=true", "--prec-sqrt=true"]
-LAUNCH_UNITS = ("normspec_launch.cu", "normspec_launch_f32.cu", "normspec_launch_bf16.cu",
-                "normspec_launch_f16.cu")
+#: The torch-free units of the extension's CUDA build: the entry points, then the launch
+#: units (one forward or backward of one op and dtype each).
+LAUNCH_UNITS = ("normspec_launch.cu",
+                *sorted(f"launch_units/{p.name}" for p in (CSRC / "launch_units").glob("*.cu")))
 
 _TIME = re.compile(r"(?:\b(fwd|bwd)\s+)?(-?\d+(?:\.\d+)?)\s+us\b")
 _HASH = re.compile(r"\s([0-9a-f]{16})\s*$")
@@ -151,8 +154,8 @@ def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Pat
     """One binary per flag set, compiled in parallel; raises with nvcc's output on failure.
 
     With ``launch_units`` every source of every variant is compiled to an object at
-    once (nvcc compiles the files of one command one after another; the bf16 unit alone
-    takes minutes), then each variant's objects are linked."""
+    once (nvcc compiles the files of one command one after another, and the units take
+    a minute and a half together on one core), then each variant's objects are linked."""
     nvcc = find_nvcc()
     sources = [harness, *(CSRC / u for u in LAUNCH_UNITS)] if launch_units else [harness]
 
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run-time variables of one setting (repeatable; default: none)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--launch-units", action=argparse.BooleanOptionalAction, default=None,
-                   help="link backends/csrc/normspec_launch*.cu (default: where the harness "
+                   help="link the launcher's units, backends/csrc/normspec_launch.cu and "
+                        "launch_units/*.cu (default: where the harness "
                         "includes normspec_launch.h and not normspec_launch_impl.cuh)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     p.add_argument("--out", type=Path, help="write the rows and medians as JSON here")

@@ -32,8 +32,9 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Ibackends/csrc \
 //        bench/micro/small_backward_ab.cu backends/csrc/normspec_launch.cu \
-//        backends/csrc/normspec_launch_f32.cu backends/csrc/normspec_launch_bf16.cu \
-//        backends/csrc/normspec_launch_f16.cu -o /tmp/small_bwd && /tmp/small_bwd default
+//        backends/csrc/launch_units/*.cu -o /tmp/small_bwd && /tmp/small_bwd default
+//
+// (bench/micro/ab.py --launch-units compiles the units side by side instead.)
 //
 // Medians of 40 launches, each after a 512 MiB memset (micro_util.cuh's Timer).
 #include <cuda_runtime.h>

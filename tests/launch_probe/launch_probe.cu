@@ -10,9 +10,8 @@
 //                        kernels, and "E"; the call's buffers are described by their
 //                        addresses (their alignment is what the launcher looks at)
 #include "normspec_launch.cu"
-#include "normspec_launch_f32.cu"
-#include "normspec_launch_bf16.cu"
-#include "normspec_launch_f16.cu"
+// every launch unit's instantiation (launch_units/*.cu), in this one translation unit
+NORMSPEC_EACH_UNIT(NORMSPEC_FORWARD_UNIT, NORMSPEC_BACKWARD_UNIT)
 
 #include <cstdio>
 #include <cstdlib>
