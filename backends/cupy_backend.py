@@ -121,7 +121,6 @@ import json
 import math
 import os
 import struct
-import sys
 import tempfile
 import threading
 import time
@@ -133,6 +132,7 @@ from typing import Any, NamedTuple
 import torch
 
 from normspec.backends.build_defines import build_defines
+from normspec.progress import say
 from normspec.registry import Backend, OpSupport
 from normspec.spec.validation import (
     ACTIVATIONS,
@@ -1124,16 +1124,15 @@ def _module_image(cp: Any, dev: int, op: int, dt: int) -> tuple[Path, dict[str, 
                 mapping = None
         if mapping is None or set(mapping) != set(names):
             what = f"the {_MODULE_LABELS[op]} kernels ({_DT_NAMES[dt]}, {arch})"
-            print(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
-                  f"cached in {cache} afterwards...", file=sys.stderr, flush=True)
+            say(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
+                f"cached in {cache} afterwards...")
             start = time.perf_counter()
             try:
                 image, mapping, _ = compile_kernels(names, arch)
             except NVRTCCompileError as exc:
                 _compile_error = str(exc)
                 raise
-            print(f"normspec cupy: compiled {what} in {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
+            say(f"normspec cupy: compiled {what} in {time.perf_counter() - start:.0f} s")
             cache.mkdir(parents=True, exist_ok=True)
             _atomic_write(image_path, image)
             _atomic_write(map_path, json.dumps(mapping).encode())

@@ -129,3 +129,31 @@ def test_build_goes_on_where_the_file_system_refuses_the_lock(monkeypatch, tmp_p
     _build.build(verbose=True)
     assert len(calls) == 1 and (directory / "lock").exists()
     assert "no build lock" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.3])
+def test_first_use_is_announced_only_when_it_builds(monkeypatch, tmp_path, capsys, seconds):
+    """``available()`` says "building ..." and "ready after" only for a load that takes a
+    while (a build); a process that finds the build cached (each conformance worker) says
+    nothing. The compiler is faked: it takes ``seconds``."""
+    import importlib
+    import time
+
+    from normspec import progress
+
+    module = importlib.import_module("normspec.backends.torch_ext.backend")
+
+    def load(**kw):
+        time.sleep(seconds)
+
+    _fake_compiler(monkeypatch, tmp_path, load)
+    real = progress.announced_if_slow
+    monkeypatch.setattr(module, "announced_if_slow",
+                        lambda *a, **kw: real(*a, **{**kw, "after": 0.1}))
+    assert module.backend.available() is None
+    lines = capsys.readouterr().err.splitlines()
+    if seconds == 0.0:
+        assert lines == []
+    else:
+        assert lines[0].startswith("normspec: building the torch extension in ")
+        assert lines[1].startswith("normspec: torch extension ready after ")

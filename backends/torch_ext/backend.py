@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +9,7 @@ import torch
 
 from normspec import __version__
 from normspec.ops import OPS
+from normspec.progress import announced_if_slow
 from normspec.registry import Backend, OpSupport
 
 from . import _build, _ops
@@ -22,6 +21,9 @@ class TorchExtBackend(Backend):
     name = "torch_ext"
     ops = {name: OpSupport(backward="full") for name in OPS}
     install = "pip install normspec ninja  (and a C++ compiler; nvcc for the CUDA kernels)"
+    #: the first use builds for a minute or two, beside the other backends' checks
+    #: (registry.statuses); the build and the load need no current CUDA device
+    available_in_thread = True
 
     @property
     def source(self) -> str:  # type: ignore[override]
@@ -38,13 +40,15 @@ class TorchExtBackend(Backend):
         reason = _build.available(build_if_needed=False)
         if reason is not None:
             return reason
-        start = time.perf_counter()
-        print(f"normspec: building the torch extension in {_build.build_directory()} "
-              "(first use; cached afterwards) ...", file=sys.stderr, flush=True)
-        reason = _build.available(build_if_needed=True)
-        print(f"normspec: torch extension {'ready' if reason is None else 'failed'} "
-              f"after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-        return reason
+        # said only when it takes a while: a process that finds the build cached (a
+        # conformance worker, a second run) loads it in about a second, quietly
+        return announced_if_slow(
+            lambda: _build.available(build_if_needed=True),
+            f"normspec: building the torch extension in {_build.build_directory()} "
+            "(first use; cached afterwards) ...",
+            lambda reason, seconds: (f"normspec: torch extension "
+                                     f"{'ready' if reason is None else 'failed'} "
+                                     f"after {seconds:.0f} s"))
 
     def supports(self, op: str, params: Mapping[str, Any], device: str) -> str | None:
         if device == "cuda" and _build.cuda_build_possible() is not None:
