@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 
 import pytest
 
@@ -103,3 +104,67 @@ def test_third_party_plugin_is_discovered_and_checked():
     # the textbook formula (torch mean + rsqrt) is close to the spec but not bitwise
     assert result["level"]["forward"] in ("accurate", "invariant")
     assert result["contract_gates"]["forward"]["mismatch_lines"]
+
+
+class _Waiting(registry.Backend):
+    """Available once ``event`` is set within two seconds (a first-use build that
+    finishes while the other backends are checked)."""
+
+    ops = {"rms_norm": registry.OpSupport()}
+
+    def __init__(self, name: str, event: threading.Event, threaded: bool):
+        self.name, self.event, self.available_in_thread = name, event, threaded
+
+    def available(self):
+        return None if self.event.wait(2.0) else "waited alone: no check ran beside it"
+
+
+class _Setting(registry.Backend):
+    ops = {"rms_norm": registry.OpSupport()}
+
+    def __init__(self, name: str, event: threading.Event):
+        self.name, self.event = name, event
+
+    def available(self):
+        self.event.set()
+        return "needs a GPU"
+
+
+def test_statuses_check_threaded_backends_beside_the_others():
+    """``available_in_thread`` backends are checked in threads while this thread checks
+    the rest: the first (in name order) waits on an event that a later one sets, which
+    one after another would never see."""
+    event = threading.Event()
+    names = ["aa-building", "zz-quick"]
+    registry.register(_Waiting(names[0], event, threaded=True))
+    registry.register(_Setting(names[1], event))
+    try:
+        assert registry.statuses(list(reversed(names))) == {
+            "aa-building": None, "zz-quick": "unavailable: needs a GPU"}
+    finally:
+        for name in names:
+            registry.unregister(name)
+
+
+def test_statuses_check_the_others_one_after_another_in_this_thread():
+    event = threading.Event()
+    registry.register(_Waiting("aa-plain", event, threaded=False))
+    registry.register(_Setting("zz-quick", event))
+    try:
+        found = registry.statuses(["aa-plain", "zz-quick"])
+        assert found["aa-plain"] == "unavailable: waited alone: no check ran beside it"
+    finally:
+        registry.unregister("aa-plain")
+        registry.unregister("zz-quick")
+
+
+def test_statuses_name_the_installed_backends_for_an_unknown_one():
+    with pytest.raises(registry.UnknownBackendError, match=r"installed: .*reference"):
+        registry.statuses(["no-such-backend"])
+
+
+def test_the_torch_extension_is_checked_in_a_thread_of_its_own():
+    """Its first use builds for a minute or two (the H200: 107 s at 1130028), which the
+    CuPy backend's NVRTC compiles and the upstream imports then overlap."""
+    assert registry.get_backend("torch_ext").available_in_thread is True
+    assert registry.get_backend("reference").available_in_thread is False

@@ -37,10 +37,11 @@ def _backends_table(names: Sequence[str] | None = None) -> Table:
     for col in ("backend", "status", "source", "ops (backward)"):
         table.add_column(col)
     entries = registry.entries()
-    for name in sorted(set(names or entries)):
+    # only those in the table: --backend X imports X alone; first-use builds overlap
+    found = registry.statuses(names or None)
+    for name, status in found.items():
         entry = entries[name]
-        backend = entry.load()  # only those in the table: --backend X imports X alone
-        status = entry.status()
+        backend = entry.load()
         ops = ", ".join(f"{k} ({v.backward})" for k, v in backend.ops.items()) if backend \
             else ""
         table.add_row(entry.name, "[green]available[/]" if status is None else

@@ -85,8 +85,8 @@ def run_conformance(
     for name in names:
         if name not in entries:
             registry.get_backend(name)  # raises with the installed names
+    status = registry.statuses(names)
     loaded = {n: entries[n].load() for n in names}
-    status = {n: entries[n].status() for n in names}
     versions = {n: (b.library_version() if b else None) for n, b in loaded.items()}
     runnable = [n for n in names if status[n] is None and loaded[n] is not None]
 

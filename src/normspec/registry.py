@@ -23,6 +23,7 @@ import importlib.metadata
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +44,7 @@ __all__ = [
     "installed_version",
     "iter_backends",
     "register",
+    "statuses",
     "unregister",
 ]
 
@@ -116,6 +118,11 @@ class Backend:
     source: str = ""
     #: Operator name -> what is supported.
     ops: Mapping[str, OpSupport] = {}
+    #: Whether [`available`][normspec.registry.Backend.available] may run in a thread of
+    #: its own beside the other backends' ([`statuses`][normspec.registry.statuses]): set
+    #: it where the check builds something for minutes on first use and depends on no
+    #: per-thread state (the current CUDA device, for one).
+    available_in_thread: bool = False
 
     def available(self) -> str | None:
         """``None`` when the backend can run here, else the reason it cannot."""
@@ -281,6 +288,31 @@ def get_backend(name: str) -> Backend:
     if backend is None:
         raise RuntimeError(f"backend {name!r} is broken: {known[name].broken}")
     return backend
+
+
+def statuses(names: Sequence[str] | None = None) -> dict[str, str | None]:
+    """Each named entry's [`status`][normspec.registry.BackendEntry.status] (every entry by
+    default), in name order. The backends are imported here one after another; then those
+    whose ``available_in_thread`` is set are checked in threads while this thread checks
+    the others, so that a first-use build (the torch extension's, minutes long) overlaps
+    the rest (the CuPy backend's NVRTC compiles, the upstream libraries' imports)."""
+    known = entries()
+    chosen = sorted(set(known if names is None else names))
+    for name in chosen:
+        if name not in known:
+            get_backend(name)  # raises, naming the installed ones
+    backends = {name: known[name].load() for name in chosen}
+    threaded = [n for n in chosen if getattr(backends[n], "available_in_thread", False)]
+    found: dict[str, str | None] = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(threaded)),
+                            thread_name_prefix="normspec-status") as pool:
+        futures = {n: pool.submit(known[n].status) for n in threaded}
+        for name in chosen:
+            if name not in futures:
+                found[name] = known[name].status()
+        for name, future in futures.items():
+            found[name] = future.result()
+    return {name: found[name] for name in chosen}
 
 
 def iter_backends() -> Iterator[tuple[BackendEntry, Backend | None]]:
