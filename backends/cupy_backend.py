@@ -2580,6 +2580,14 @@ class CupyBackend(Backend):
         version = _cupy_version() or "(not installed)"
         return f"CuPy {version} NVRTC RawModule of backends/csrc/{KERNELS}"
 
+    def prepare(self) -> None:
+        """Compiles the NVRTC modules the disk cache lacks for the current device's target
+        (device 0 in registry.statuses' fresh thread), loading none: no context is made.
+        ``available()`` then loads them on its caller's device (compiling for that
+        device's target too, where it differs)."""
+        if available(compile=False) is None:
+            compile_modules()
+
     def available(self) -> str | None:
         return available()
 

@@ -106,17 +106,19 @@ def test_third_party_plugin_is_discovered_and_checked():
     assert result["contract_gates"]["forward"]["mismatch_lines"]
 
 
-class _Waiting(registry.Backend):
-    """Available once ``event`` is set within two seconds (a first-use build that
-    finishes while the other backends are checked)."""
+class _Building(registry.Backend):
+    """A first-use build in ``prepare``: done once ``event`` is set (within two seconds)."""
 
     ops = {"rms_norm": registry.OpSupport()}
 
-    def __init__(self, name: str, event: threading.Event, threaded: bool):
-        self.name, self.event, self.available_in_thread = name, event, threaded
+    def __init__(self, name: str, event: threading.Event):
+        self.name, self.event, self.built = name, event, False
+
+    def prepare(self):
+        self.built = self.event.wait(2.0)
 
     def available(self):
-        return None if self.event.wait(2.0) else "waited alone: no check ran beside it"
+        return None if self.built else "the build waited alone: no check ran beside it"
 
 
 class _Setting(registry.Backend):
@@ -130,32 +132,32 @@ class _Setting(registry.Backend):
         return "needs a GPU"
 
 
-def test_statuses_check_threaded_backends_beside_the_others():
-    """``available_in_thread`` backends are checked in threads while this thread checks
-    the rest: the first (in name order) waits on an event that a later one sets, which
-    one after another would never see."""
-    event = threading.Event()
-    names = ["aa-building", "zz-quick"]
-    registry.register(_Waiting(names[0], event, threaded=True))
-    registry.register(_Setting(names[1], event))
-    try:
-        assert registry.statuses(list(reversed(names))) == {
-            "aa-building": None, "zz-quick": "unavailable: needs a GPU"}
-    finally:
-        for name in names:
-            registry.unregister(name)
+class _Failing(registry.Backend):
+    ops = {"rms_norm": registry.OpSupport()}
+    name = "zz-failing"
+
+    def prepare(self):
+        raise RuntimeError("compiler missing")
+
+    def available(self):
+        return "no compiler"
 
 
-def test_statuses_check_the_others_one_after_another_in_this_thread():
+def test_statuses_prepare_beside_the_other_checks():
+    """``prepare`` runs in a thread while this thread checks the backends that prepare
+    nothing: the first (in name order) waits on an event that a later one's check sets,
+    which one after another would never see. A failing prepare is left to available()."""
     event = threading.Event()
-    registry.register(_Waiting("aa-plain", event, threaded=False))
-    registry.register(_Setting("zz-quick", event))
+    backends = [_Building("aa-building", event), _Setting("zz-quick", event), _Failing()]
+    for b in backends:
+        registry.register(b)
     try:
-        found = registry.statuses(["aa-plain", "zz-quick"])
-        assert found["aa-plain"] == "unavailable: waited alone: no check ran beside it"
+        assert registry.statuses(["zz-quick", "zz-failing", "aa-building"]) == {
+            "aa-building": None, "zz-failing": "unavailable: no compiler",
+            "zz-quick": "unavailable: needs a GPU"}
     finally:
-        registry.unregister("aa-plain")
-        registry.unregister("zz-quick")
+        for b in backends:
+            registry.unregister(b.name)
 
 
 def test_statuses_name_the_installed_backends_for_an_unknown_one():
@@ -163,8 +165,10 @@ def test_statuses_name_the_installed_backends_for_an_unknown_one():
         registry.statuses(["no-such-backend"])
 
 
-def test_the_torch_extension_is_checked_in_a_thread_of_its_own():
-    """Its first use builds for a minute or two (the H200: 107 s at 1130028), which the
-    CuPy backend's NVRTC compiles and the upstream imports then overlap."""
-    assert registry.get_backend("torch_ext").available_in_thread is True
-    assert registry.get_backend("reference").available_in_thread is False
+def test_our_builds_are_prepared_the_upstream_libraries_are_not():
+    """The torch extension's first build (the H200: 107 s at 1130028) and the CuPy
+    backend's NVRTC compiles run beside each other and the upstream libraries' imports."""
+    assert registry._prepares(registry.get_backend("torch_ext"))
+    assert registry._prepares(registry.get_backend("cupy"))
+    assert not registry._prepares(registry.get_backend("reference"))
+    assert not registry._prepares(registry.get_backend("transformers"))

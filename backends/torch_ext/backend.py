@@ -21,9 +21,6 @@ class TorchExtBackend(Backend):
     name = "torch_ext"
     ops = {name: OpSupport(backward="full") for name in OPS}
     install = "pip install normspec ninja  (and a C++ compiler; nvcc for the CUDA kernels)"
-    #: the first use builds for a minute or two, beside the other backends' checks
-    #: (registry.statuses); the build and the load need no current CUDA device
-    available_in_thread = True
 
     @property
     def source(self) -> str:  # type: ignore[override]
@@ -33,6 +30,11 @@ class TorchExtBackend(Backend):
 
     def library_version(self) -> str:
         return __version__
+
+    def prepare(self) -> None:
+        """Builds the extension where its cache lacks it (a minute or so; registry.statuses
+        runs it beside the other backends' checks). Needs no current CUDA device."""
+        self.available()
 
     def available(self) -> str | None:
         if _build.loaded():

@@ -118,11 +118,13 @@ class Backend:
     source: str = ""
     #: Operator name -> what is supported.
     ops: Mapping[str, OpSupport] = {}
-    #: Whether [`available`][normspec.registry.Backend.available] may run in a thread of
-    #: its own beside the other backends' ([`statuses`][normspec.registry.statuses]): set
-    #: it where the check builds something for minutes on first use and depends on no
-    #: per-thread state (the current CUDA device, for one).
-    available_in_thread: bool = False
+    def prepare(self) -> None:
+        """First-use work that [`available`][normspec.registry.Backend.available] would
+        otherwise start with, such as compiling kernels, for
+        [`statuses`][normspec.registry.statuses] to run in a thread of its own beside the
+        other backends' checks. It runs in a fresh thread, so it must not rely on that
+        thread's state (its current CUDA device is device 0), and its errors are ignored
+        there: ``available()``, asked afterwards, reports them. The default does nothing."""
 
     def available(self) -> str | None:
         """``None`` when the backend can run here, else the reason it cannot."""
@@ -292,27 +294,44 @@ def get_backend(name: str) -> Backend:
 
 def statuses(names: Sequence[str] | None = None) -> dict[str, str | None]:
     """Each named entry's [`status`][normspec.registry.BackendEntry.status] (every entry by
-    default), in name order. The backends are imported here one after another; then those
-    whose ``available_in_thread`` is set are checked in threads while this thread checks
-    the others, so that a first-use build (the torch extension's, minutes long) overlaps
-    the rest (the CuPy backend's NVRTC compiles, the upstream libraries' imports)."""
+    default), in name order.
+
+    The backends are imported here one after another. Then every backend's
+    [`prepare`][normspec.registry.Backend.prepare] that does something (a first-use build:
+    the torch extension's, the CuPy backend's NVRTC compiles) starts in a thread of its
+    own, while this thread checks the backends that prepare nothing (the upstream
+    libraries' imports); the prepared ones are checked last, each once its preparation
+    has ended. On a fresh H200 the builds and imports took ~195 s one after another."""
     known = entries()
     chosen = sorted(set(known if names is None else names))
     for name in chosen:
         if name not in known:
             get_backend(name)  # raises, naming the installed ones
     backends = {name: known[name].load() for name in chosen}
-    threaded = [n for n in chosen if getattr(backends[n], "available_in_thread", False)]
+    preparing = [n for n in chosen if _prepares(backends[n])]
     found: dict[str, str | None] = {}
-    with ThreadPoolExecutor(max_workers=max(1, len(threaded)),
-                            thread_name_prefix="normspec-status") as pool:
-        futures = {n: pool.submit(known[n].status) for n in threaded}
+    with ThreadPoolExecutor(max_workers=max(1, len(preparing)),
+                            thread_name_prefix="normspec-prepare") as pool:
+        futures = {n: pool.submit(_prepare_quietly, backends[n]) for n in preparing}
         for name in chosen:
             if name not in futures:
                 found[name] = known[name].status()
         for name, future in futures.items():
-            found[name] = future.result()
+            future.result()
+            found[name] = known[name].status()
     return {name: found[name] for name in chosen}
+
+
+def _prepares(backend: Backend | None) -> bool:
+    """Whether ``backend`` overrides [`prepare`][normspec.registry.Backend.prepare]."""
+    return backend is not None and getattr(type(backend), "prepare", None) is not Backend.prepare
+
+
+def _prepare_quietly(backend: Backend) -> None:
+    try:
+        backend.prepare()
+    except Exception:  # available() reports it, in its words
+        pass
 
 
 def iter_backends() -> Iterator[tuple[BackendEntry, Backend | None]]:
