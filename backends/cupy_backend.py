@@ -2623,3 +2623,7 @@ class CupyBackend(Backend):
 
 #: The registry entry point object (``cupy = "normspec.backends.cupy_backend:backend"``).
 backend = CupyBackend()
+# CuPy (where installed) is imported with this module, in the importing thread: prepare()
+# runs in a thread of its own beside other backends' imports (registry.statuses), and two
+# threads importing the same modules can meet one half initialised
+_import_cupy()

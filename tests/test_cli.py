@@ -16,6 +16,25 @@ def test_list_shows_backends_with_availability(capsys):
     assert "reference" in out and "transformers" in out and "available" in out
 
 
+def test_list_and_conformance_prepare_the_backends_side_by_side(tmp_path, monkeypatch,
+                                                                capsys):
+    """Both ask registry.statuses, which runs the first-use builds (prepare) in threads: a
+    table built one backend after another would lose the overlap silently."""
+    asked = []
+    real = registry.statuses
+
+    def recording(names=None):
+        asked.append(None if names is None else sorted(names))
+        return real(names)
+
+    monkeypatch.setattr(registry, "statuses", recording)
+    assert main(["list"]) == 0
+    assert asked == [None]
+    assert main(["conformance", "--device", "cpu", "--quick", "--backend", "reference",
+                 "--op", "rms_norm", "--profile", "cpu_fp32", "--out", str(tmp_path)]) == 0
+    assert asked[1:] == [["reference"], ["reference"]]  # the table, then run_conformance
+
+
 def test_check_writes_a_report(tmp_path, capsys):
     path = tmp_path / "r.json"
     rc = main(["check", "--backend", "reference", "--op", "rms_norm_gated", "--profile",

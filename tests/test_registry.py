@@ -143,7 +143,7 @@ class _Failing(registry.Backend):
         return "no compiler"
 
 
-def test_statuses_prepare_beside_the_other_checks():
+def test_statuses_prepare_beside_the_other_checks(capsys):
     """``prepare`` runs in a thread while this thread checks the backends that prepare
     nothing: the first (in name order) waits on an event that a later one's check sets,
     which one after another would never see. A failing prepare is left to available()."""
@@ -155,6 +155,9 @@ def test_statuses_prepare_beside_the_other_checks():
         assert registry.statuses(["zz-quick", "zz-failing", "aa-building"]) == {
             "aa-building": None, "zz-failing": "unavailable: no compiler",
             "zz-quick": "unavailable: needs a GPU"}
+        assert capsys.readouterr().err.splitlines() == [
+            "normspec: zz-failing: prepare() raised RuntimeError: compiler missing "
+            "(its check follows)"]
     finally:
         for b in backends:
             registry.unregister(b.name)

@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-#ifndef NORMSPEC_NO_COL_TREE  // defined by the per-dtype launch units: one definition only
+#ifndef NORMSPEC_NO_COL_TREE  // defined by the launch units: normspec_launch.cu alone has it
 namespace normspec {
 // v[0] = the pairwise tree of v[0 .. C), C a power of two <= 16 (the others unused).
 __device__ __forceinline__ void fold_rows(float (&v)[16], long long C) {

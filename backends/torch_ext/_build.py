@@ -35,6 +35,11 @@ from pathlib import Path
 
 import torch
 
+# imported here, in the thread that imports this module: the build itself runs in a thread
+# of its own beside other backends' imports (registry.statuses), and two threads importing
+# the same modules (setuptools, through cpp_extension) can meet one half initialised
+import torch.utils.cpp_extension
+
 from ..build_defines import build_defines
 
 __all__ = ["CSRC", "LAUNCH_UNITS", "available", "build", "build_defines", "build_directory",

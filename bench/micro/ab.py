@@ -30,6 +30,7 @@ linked where the harness calls the shipped launcher's entry points (it includes
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -153,9 +154,10 @@ def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Pat
               console: Console) -> dict[str, Path]:
     """One binary per flag set, compiled in parallel; raises with nvcc's output on failure.
 
-    With ``launch_units`` every source of every variant is compiled to an object at
-    once (nvcc compiles the files of one command one after another, and the units take
-    a minute and a half together on one core), then each variant's objects are linked."""
+    With ``launch_units`` every source of every variant is compiled to an object, one
+    compile per core at a time (nvcc compiles the files of one command one after
+    another, and the units take a minute and a half together on one core), then each
+    variant's objects are linked."""
     nvcc = find_nvcc()
     sources = [harness, *(CSRC / u for u in LAUNCH_UNITS)] if launch_units else [harness]
 
@@ -182,14 +184,19 @@ def build_all(harness: Path, builds: list[str], launch_units: bool, workdir: Pat
                 console.log(f"built {flags or '(no flags)'}")
             return binaries
         compiles = {}
-        for i, flags in enumerate(builds):
-            objs = [workdir / f"build{i}_{k}.o" for k in range(len(sources))]
-            compiles[flags] = (i, objs, [
-                start([nvcc, *NVCC_FLAGS, f"-I{CSRC}", *shlex.split(flags), "-c", str(src),
-                       "-o", str(obj)]) for src, obj in zip(sources, objs, strict=True)])
-        for flags, (i, objs, procs) in compiles.items():
-            for proc in procs:
-                finish(proc, flags)
+        # every object of every variant, at most one compile per core at a time (22
+        # units a variant: all at once would only thrash)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for i, flags in enumerate(builds):
+                objs = [workdir / f"build{i}_{k}.o" for k in range(len(sources))]
+                compiles[flags] = (i, objs, [
+                    pool.submit(lambda cmd, flags=flags: finish(start(cmd), flags),
+                                [nvcc, *NVCC_FLAGS, f"-I{CSRC}", *shlex.split(flags), "-c",
+                                 str(src), "-o", str(obj)])
+                    for src, obj in zip(sources, objs, strict=True)])
+        for flags, (i, objs, futures) in compiles.items():
+            for future in futures:
+                future.result()  # raises with nvcc's output
             exe = workdir / f"build{i}"
             link = start([nvcc, "-arch=sm_90a", *map(str, objs), "-o", str(exe)])
             finish(link, flags)

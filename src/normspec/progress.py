@@ -50,8 +50,9 @@ def announced_if_slow(
         result = work()
     finally:
         timer.cancel()
-    # the timer may be saying `start` right now: wait for it, so that `finish` comes after
-    timer.join()
+        # the timer may be saying `start` right now: wait for it, so that whatever comes
+        # next (`finish`, or the exception's traceback) comes after
+        timer.join()
     if said.is_set():
         say(finish(result, time.perf_counter() - began))
     return result

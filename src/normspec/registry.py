@@ -32,6 +32,7 @@ import torch
 from normspec.spec.validation import check_eps, check_input, check_like, check_weight
 
 from .ops import OPS, Params
+from .progress import say
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -123,8 +124,11 @@ class Backend:
         otherwise start with, such as compiling kernels, for
         [`statuses`][normspec.registry.statuses] to run in a thread of its own beside the
         other backends' checks. It runs in a fresh thread, so it must not rely on that
-        thread's state (its current CUDA device is device 0), and its errors are ignored
-        there: ``available()``, asked afterwards, reports them. The default does nothing."""
+        thread's state (its current CUDA device is device 0), and it should import nothing
+        new: import what it needs with the backend's module, since other threads import
+        meanwhile, and Python may hand one of two threads importing the same modules a half
+        initialised one. An exception is said on stderr and otherwise left to
+        ``available()``, asked afterwards, to report. The default does nothing."""
 
     def available(self) -> str | None:
         """``None`` when the backend can run here, else the reason it cannot."""
@@ -312,7 +316,7 @@ def statuses(names: Sequence[str] | None = None) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     with ThreadPoolExecutor(max_workers=max(1, len(preparing)),
                             thread_name_prefix="normspec-prepare") as pool:
-        futures = {n: pool.submit(_prepare_quietly, backends[n]) for n in preparing}
+        futures = {n: pool.submit(_prepare, n, backends[n]) for n in preparing}
         for name in chosen:
             if name not in futures:
                 found[name] = known[name].status()
@@ -327,11 +331,12 @@ def _prepares(backend: Backend | None) -> bool:
     return backend is not None and getattr(type(backend), "prepare", None) is not Backend.prepare
 
 
-def _prepare_quietly(backend: Backend) -> None:
+def _prepare(name: str, backend: Backend) -> None:
     try:
         backend.prepare()
-    except Exception:  # available() reports it, in its words
-        pass
+    except Exception as exc:  # available() reports what it means for the backend
+        say(f"normspec: {name}: prepare() raised {type(exc).__name__}: {exc} "
+            "(its check follows)")
 
 
 def iter_backends() -> Iterator[tuple[BackendEntry, Backend | None]]:
