@@ -176,6 +176,37 @@ def test_build_reports_each_backend_and_fails_when_one_fails(monkeypatch, capsys
     assert main(["build"]) == 0
 
 
+def test_build_prepares_every_backend_side_by_side(monkeypatch, capsys):
+    """``normspec build`` starts every backend's first-use work (``prepare``) at once, as
+    the torch extension's build and the CuPy backend's NVRTC compiles are on a fresh GPU
+    machine: the first waits for the second's to start, which one after another never
+    would. Then each ``build`` reports, in name order."""
+    import threading
+    from types import SimpleNamespace
+
+    from normspec import cli
+
+    started = threading.Event()
+
+    class Slow(_Built):
+        def prepare(self):
+            self.overlapped = started.wait(2.0)
+
+        def build(self, verbose=True):
+            return "ready" if self.overlapped else "built alone"
+
+    class Starting(_Built):
+        def prepare(self):
+            started.set()
+
+    entries = [(SimpleNamespace(name="a-ext"), Slow(None)),
+               (SimpleNamespace(name="b-nvrtc"), Starting("modules ready"))]
+    monkeypatch.setattr(cli.registry, "iter_backends", lambda: iter(entries))
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("a-ext: ready") < out.index("b-nvrtc: modules ready")
+
+
 def test_cupy_build_is_skipped_without_cupy(monkeypatch):
     from normspec.backends import cupy_backend as cb
 

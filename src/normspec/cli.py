@@ -128,22 +128,27 @@ def _jobs(jobs: int | None, device: str) -> int:
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:
     """Builds each installed backend that compiles code; a failure is reported with its
-    reason and the others still build (exit status 1 if any failed)."""
-    built, failed = False, False
-    for entry, backend in registry.iter_backends():
-        build = getattr(backend, "build", None)
-        if backend is not None and callable(build):
+    reason and the others still build (exit status 1 if any failed). Their first-use work
+    (``prepare``: the torch extension's build, the CuPy backend's NVRTC compiles) runs side
+    by side from the start; each ``build`` then finishes and reports in name order (a
+    build that failed quietly in ``prepare`` is retried verbosely there)."""
+    builders = [(entry, backend) for entry, backend in registry.iter_backends()
+                if backend is not None and callable(getattr(backend, "build", None))]
+    failed = False
+    with registry.preparing({entry.name: backend for entry, backend in builders}) as futures:
+        for entry, backend in builders:
             console.print(f"building {entry.name} ...")
+            if entry.name in futures:
+                futures[entry.name].result()
             try:
-                outcome = build(verbose=True)
+                outcome = backend.build(verbose=True)
             except RuntimeError as exc:
                 console.print(f"[red]FAILED[/] {entry.name}: {exc}", highlight=False,
                               soft_wrap=True)
                 failed = True
             else:
                 console.print(f"{entry.name}: {outcome}", highlight=False, soft_wrap=True)
-            built = True
-    if not built:
+    if not builders:
         console.print("no installed backend needs a build")
     return 1 if failed else 0
 

@@ -19,11 +19,12 @@ ones.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ __all__ = [
     "get_backend",
     "installed_version",
     "iter_backends",
+    "preparing",
     "register",
     "statuses",
     "unregister",
@@ -312,11 +314,8 @@ def statuses(names: Sequence[str] | None = None) -> dict[str, str | None]:
         if name not in known:
             get_backend(name)  # raises, naming the installed ones
     backends = {name: known[name].load() for name in chosen}
-    preparing = [n for n in chosen if _prepares(backends[n])]
     found: dict[str, str | None] = {}
-    with ThreadPoolExecutor(max_workers=max(1, len(preparing)),
-                            thread_name_prefix="normspec-prepare") as pool:
-        futures = {n: pool.submit(_prepare, n, backends[n]) for n in preparing}
+    with preparing(backends) as futures:
         for name in chosen:
             if name not in futures:
                 found[name] = known[name].status()
@@ -326,9 +325,23 @@ def statuses(names: Sequence[str] | None = None) -> dict[str, str | None]:
     return {name: found[name] for name in chosen}
 
 
-def _prepares(backend: Backend | None) -> bool:
-    """Whether ``backend`` overrides [`prepare`][normspec.registry.Backend.prepare]."""
-    return backend is not None and getattr(type(backend), "prepare", None) is not Backend.prepare
+@contextlib.contextmanager
+def preparing(backends: Mapping[str, Backend | None]) -> Iterator[dict[str, Future[None]]]:
+    """Starts the [`prepare`][normspec.registry.Backend.prepare] of each of ``backends``
+    (by name) that has one, each in a thread of its own, and yields their futures by name
+    (a failure is said on stderr, and the future ends normally); waits for all on exit.
+    [`statuses`][normspec.registry.statuses] and ``normspec build`` use it."""
+    names = [name for name, backend in backends.items() if _prepares(backend)]
+    with ThreadPoolExecutor(max_workers=max(1, len(names)),
+                            thread_name_prefix="normspec-prepare") as pool:
+        yield {name: pool.submit(_prepare, name, backends[name]) for name in names}
+
+
+def _prepares(backend: object) -> bool:
+    """Whether ``backend`` has a [`prepare`][normspec.registry.Backend.prepare] that does
+    something (one of its own, not the base class's)."""
+    method = getattr(type(backend), "prepare", None)
+    return method is not None and method is not Backend.prepare
 
 
 def _prepare(name: str, backend: Backend) -> None:
