@@ -38,7 +38,7 @@ import torch
 # imported here, in the thread that imports this module: the build itself runs in a thread
 # of its own beside other backends' imports (registry.statuses), and two threads importing
 # the same modules (setuptools, through cpp_extension) can meet one half initialised
-import torch.utils.cpp_extension
+from torch.utils import cpp_extension
 
 from ..build_defines import build_defines
 
@@ -84,13 +84,10 @@ def cuda_build_possible() -> str | None:
     """``None`` when the CUDA kernels can be built here, else why not."""
     if not torch.cuda.is_available():
         return "torch sees no CUDA GPU"
-    from torch.utils import cpp_extension
-
     home = cpp_extension.CUDA_HOME
     if home is None or not (Path(home) / "bin" / "nvcc").exists():
         return "nvcc not found (set CUDA_HOME)"
     return None
-
 
 
 def _tag(with_cuda: bool) -> str:
@@ -118,8 +115,6 @@ def build_directory(with_cuda: bool | None = None) -> Path:
 
 
 def _prerequisites() -> str | None:
-    from torch.utils import cpp_extension
-
     try:
         build_defines()
     except ValueError as exc:
@@ -187,8 +182,6 @@ def build(verbose: bool = True) -> str:
         if reason is not None:
             _error = reason
             raise RuntimeError(f"normspec torch_ext: {reason}")
-        from torch.utils import cpp_extension
-
         with_cuda = cuda_build_possible() is None
         sources = [str(CSRC / s) for s in CPU_SOURCES]
         if with_cuda:

@@ -121,6 +121,7 @@ class Backend:
     source: str = ""
     #: Operator name -> what is supported.
     ops: Mapping[str, OpSupport] = {}
+
     def prepare(self) -> None:
         """First-use work that [`available`][normspec.registry.Backend.available] would
         otherwise start with, such as compiling kernels, for
