@@ -2,10 +2,11 @@
 
 The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` and
 ``normspec_kernels.cuh`` (shipped as package data) are compiled as they are by NVRTC,
-lazily, one module per (operator, dtype) holding every template instantiation that
-module launches, cached on disk (next to CuPy's kernel cache, or in
+lazily, one module per (operator, dtype, direction) holding every template
+instantiation that module launches (``MODULES``; the forward's and the backward's kernels
+apart, as the extension's launch units), cached on disk (next to CuPy's kernel cache, or in
 ``NORMSPEC_CUPY_CACHE_DIR``) and memoised per process and device. A compile is announced
-on stderr; ``available()``, which the registry asks, compiles all twelve modules, side by
+on stderr; ``available()``, which the registry asks, compiles all 21 modules, side by
 side in threads (``compile_modules``, which ``normspec build`` runs ahead of time): one
 after another they took minutes on a machine's first use. The host launch logic
 (``normspec_launch_impl.cuh``) is mirrored in Python. Aligned rows of at most 1024 vectors
@@ -148,7 +149,9 @@ from normspec.spec.validation import (
 
 __all__ = [
     "CSRC",
+    "MODULES",
     "NVRTC_OPTIONS",
+    "PARTS",
     "CupyBackend",
     "NVRTCCompileError",
     "available",
@@ -168,6 +171,7 @@ __all__ = [
     "fused_add_rms_norm_with_rstd",
     "gated_row_table_enabled",
     "gated_row_table_launch",
+    "kernel_part",
     "name_expressions",
     "persistent_grid",
     "pipe_backward_enabled",
@@ -870,12 +874,31 @@ def _backward_names(op: int, t: str) -> list[str]:
             *dict.fromkeys(f"normspec_col_tree_last_kernel<{w}>" for w in ("float", t))]
 
 
-def name_expressions(op: int, dtype_code: int) -> list[str]:
-    """Every instantiation one (op, dtype) module holds (all the launchers can pick);
-    ``OP_FUSED_SUM``'s module holds backward kernels only."""
+#: The two modules of an (op, dtype): its forward kernels and its backward kernels (those
+#: of the dweight tree included), compiled apart so that a machine's first compiles run
+#: side by side in halves.
+PARTS = ("forward", "backward")
+#: Name prefixes of the kernels a backward module holds (``kernel_part``).
+_BACKWARD_PREFIXES = ("normspec_bwd_", "normspec::normspec_gated_bwd_pair_kernel",
+                      "normspec_col_tree")
+
+
+def kernel_part(name: str) -> str:
+    """The module (``PARTS``) that holds the kernel ``name`` (a name expression)."""
+    return "backward" if name.startswith(_BACKWARD_PREFIXES) else "forward"
+
+
+def name_expressions(op: int, dtype_code: int, part: str | None = None) -> list[str]:
+    """Every instantiation one (op, dtype) holds (all the launchers can pick): the
+    ``part`` module's, ``"forward"`` or ``"backward"``, or by default both together.
+    ``OP_FUSED_SUM`` has backward kernels only. Raises ``ValueError`` for another
+    ``part``."""
     t = CUDA_TYPES[dtype_code]
-    if op == OP_FUSED_SUM:
-        return _backward_names(op, t)
+    if part not in (None, *PARTS):
+        raise ValueError(f"part: expected one of {PARTS} or None, got {part!r}")
+    backward = _backward_names(op, t) if part != "forward" else []
+    if op == OP_FUSED_SUM or part == "backward":
+        return backward
     dnp = _row_default_np(op)
     return [
         *(f"normspec_fwd_row_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
@@ -886,7 +909,7 @@ def name_expressions(op: int, dtype_code: int) -> list[str]:
         *(f"normspec_fwd_kernel<{op}, {t}, {n}>" for n in _NPS),
         f"normspec_fwd_stream_kernel<{op}, {t}>",
         *(f"normspec_fwd_pipe_kernel<{op}, {t}, {n}, -1>" for n in _NPS),
-        *_backward_names(op, t),
+        *backward,
         # the global gate table and the forms that read it (large bf16 gated forwards)
         *((FILL_GATE_TABLE_KERNEL,
            *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true" + (f", {f}>" if f else ">")
@@ -966,7 +989,7 @@ def _collapsible_stride(shape: Sequence[int], strides: Sequence[int]) -> int | N
 
 # ---- CuPy: import, NVRTC, modules ---------------------------------------------------
 _lock = threading.RLock()
-_modules: dict[tuple[int, int, int], tuple[Any, dict[str, str]]] = {}
+_modules: dict[tuple[int, int, int, str], tuple[Any, dict[str, str]]] = {}
 _functions: dict[tuple[int, int, int, str], Any] = {}
 _sm_counts: dict[int, int] = {}
 # the global gate table of each device (both activations) and which halves are filled
@@ -1098,15 +1121,16 @@ def _device_arch(cp: Any, dev: int) -> str:
     return f"compute_{lower[-1]}"
 
 
-def _module_image(cp: Any, dev: int, op: int, dt: int) -> tuple[Path, dict[str, str]]:
-    """The disk-cached image of (op, dtype) for device ``dev``'s target and its name
-    mapping, compiled by NVRTC first when the cache lacks it (the compile announced on
+def _module_image(cp: Any, dev: int, op: int, dt: int, part: str
+                  ) -> tuple[Path, dict[str, str]]:
+    """The disk-cached image of (op, dtype)'s ``part`` module for device ``dev``'s target
+    and its name mapping, compiled by NVRTC first when the cache lacks it (the compile announced on
     stderr, with its time: tens of seconds a module). Loads nothing: needs no context.
     One thread compiles a given module at a time (others wait for its image); different
     modules compile side by side (NVRTC's compile releases the GIL)."""
     global _compile_error
     arch = _device_arch(cp, dev)
-    names = name_expressions(op, dt)
+    names = name_expressions(op, dt, part)
     ident = json.dumps([source_text(), compile_options(f"-arch={arch}"), arch,
                         list(cp.cuda.nvrtc.getVersion()), names])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
@@ -1123,7 +1147,7 @@ def _module_image(cp: Any, dev: int, op: int, dt: int) -> tuple[Path, dict[str, 
             except (OSError, ValueError):
                 mapping = None
         if mapping is None or set(mapping) != set(names):
-            what = f"the {_MODULE_LABELS[op]} kernels ({_DT_NAMES[dt]}, {arch})"
+            what = f"the {_MODULE_LABELS[op]} {part} kernels ({_DT_NAMES[dt]}, {arch})"
             say(f"normspec cupy: compiling {what} with NVRTC: their first use here, "
                 f"cached in {cache} afterwards...")
             start = time.perf_counter()
@@ -1139,16 +1163,16 @@ def _module_image(cp: Any, dev: int, op: int, dt: int) -> tuple[Path, dict[str, 
     return image_path, mapping
 
 
-def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
-    """The module of (op, dtype) on device ``dev`` and its name mapping, memoised per
+def _module(dev: int, op: int, dt: int, part: str) -> tuple[Any, dict[str, str]]:
+    """(op, dtype)'s ``part`` module on device ``dev`` and its name mapping, memoised per
     process: its image from the disk cache, else compiled by NVRTC and cached
     (``_module_image``; no process-wide lock is held through a compile)."""
-    key = (dev, op, dt)
+    key = (dev, op, dt, part)
     hit = _modules.get(key)
     if hit is not None:
         return hit
     cp = _cupy()
-    image_path, mapping = _module_image(cp, dev, op, dt)
+    image_path, mapping = _module_image(cp, dev, op, dt, part)
     with _lock:
         hit = _modules.get(key)
         if hit is None:
@@ -1157,16 +1181,17 @@ def _module(dev: int, op: int, dt: int) -> tuple[Any, dict[str, str]]:
     return hit
 
 
-#: every module's (op, dtype): what ``available()`` and ``normspec build`` prepare
-MODULES = tuple((op, dt) for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM)
-                for dt in (DT_F32, DT_BF16, DT_F16))
+#: every module's (op, dtype, part): what ``available()`` and ``normspec build`` prepare
+MODULES = tuple((op, dt, part) for op in (OP_RMS, OP_FUSED, OP_GATED, OP_FUSED_SUM)
+                for dt in (DT_F32, DT_BF16, DT_F16) for part in PARTS
+                if not (op == OP_FUSED_SUM and part == "forward"))
 
 
 def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float:
     """Compiles every module the disk cache lacks for device ``dev``'s target (the
     current device by default), ``jobs`` at a time in threads: by default ``$MAX_JOBS``
     (the torch extension builds' variable) or else one per CPU core. Returns the seconds
-    it took. On a machine's first use this is the twelve NVRTC compiles, each tens of
+    it took. On a machine's first use this is the 21 NVRTC compiles, each up to tens of
     seconds on one core, which one after another took minutes on the H200's host.
     Raises [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError] (the
     first module's failure, after the others finished)."""
@@ -1178,7 +1203,7 @@ def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(MODULES))),
                                                thread_name_prefix="normspec-nvrtc") as pool:
-        futures = [pool.submit(_module_image, cp, dev, op, dt) for op, dt in MODULES]
+        futures = [pool.submit(_module_image, cp, dev, *module) for module in MODULES]
     for future in futures:
         if future.exception() is not None:
             raise future.exception()
@@ -1215,7 +1240,7 @@ def _kernel(dev: int, op: int, dt: int, name: str) -> Any:
     key = (dev, op, dt, name)
     fn = _functions.get(key)
     if fn is None:
-        module, mapping = _module(dev, op, dt)
+        module, mapping = _module(dev, op, dt, kernel_part(name))
         _bind_primary_context()  # CuPy loads the module here through the driver
         with _lock:
             fn = _functions[key] = module.get_function(mapping[name])
@@ -1286,8 +1311,8 @@ def available(*, compile: bool = True) -> str | None:
         try:
             dev = cp.cuda.runtime.getDevice()
             compile_modules(dev)  # those the disk cache lacks, side by side
-            for op, dt in MODULES:
-                _, mapping = _module(dev, op, dt)
+            for op, dt, part in MODULES:
+                _, mapping = _module(dev, op, dt, part)
                 with cp.cuda.Device(dev):  # loaded too: a cubin the driver refuses
                     _kernel(dev, op, dt, next(iter(mapping)))
         except (NVRTCCompileError, ValueError) as exc:  # ValueError: the build defines

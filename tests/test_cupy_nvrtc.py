@@ -574,11 +574,12 @@ def test_cold_driver_calls_bind_the_context_first(monkeypatch):
             events.append(f"load {lowered}")
             return f"fn {lowered}"
 
-    monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module(), {"k": "_Zk"}))
+    monkeypatch.setattr(cb, "_module", lambda dev, op, dt, part: (
+        events.append(part) or Module(), {"k": "_Zk"}))
     monkeypatch.setattr(cb, "_functions", {})
     assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"
     assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"  # kept
-    assert events == ["bind", "load _Zk"]
+    assert events == ["forward", "bind", "load _Zk"]
 
     class Function:
         shared_size_bytes = 1024
@@ -622,8 +623,9 @@ def test_available_loads_every_module(monkeypatch):
             if self.key == refused:
                 raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
 
-    monkeypatch.setattr(cb, "_module", lambda dev, op, dt: (Module((dev, op, dt)),
-                                                            {"k": f"_Z{op}{dt}"}))
+    monkeypatch.setattr(cb, "_module", lambda dev, op, dt, part: (
+        Module((dev, op, dt, part)),
+        {f"normspec_{'fwd' if part == 'forward' else 'bwd'}_k": f"_Z{op}{dt}"}))
     monkeypatch.setattr(cb, "compile_modules", lambda dev: events.append(("compile", dev)))
     monkeypatch.setattr(cb, "_functions", {})
     refused = None
@@ -631,9 +633,9 @@ def test_available_loads_every_module(monkeypatch):
     assert events[0] == ("compile", 2)  # side by side first, on the current device
     events.pop(0)
     loads = [e for e in events if e != "bind"]
-    assert len(loads) == 12 and events.count("bind") == 12
-    assert {key for key, _ in loads} == {(2, op, dt) for op in range(4) for dt in range(3)}
-    refused = (2, cb.OP_GATED, cb.DT_F16)
+    assert len(loads) == 21 and events.count("bind") == 21
+    assert {key for key, _ in loads} == {(2, *module) for module in cb.MODULES}
+    refused = (2, cb.OP_GATED, cb.DT_F16, "backward")
     monkeypatch.setattr(cb, "_functions", {})  # a new process: nothing loaded yet
     reason = cb.available()
     assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
@@ -912,6 +914,23 @@ def test_quick_argument_edits_equal_replace():
     assert cb._with_flags(a, 99) == a._replace(flags=99)
     assert type(cb._with_flags(a, 99)) is cb._Args
     assert cb._with_weight_ptr(a, 0x800, 5) == a._replace(w=0x800, flags=5)
+
+
+def test_modules_split_each_op_and_dtype_by_direction():
+    """An (op, dtype)'s forward and backward modules hold apart, together, every kernel its
+    launchers can pick; ``kernel_part`` names the module that holds each one, which is the
+    module ``_kernel`` loads it from."""
+    assert len(cb.MODULES) == len(set(cb.MODULES)) == 21
+    for op, dt in itertools.product(range(4), range(3)):
+        forward, backward = (cb.name_expressions(op, dt, part) for part in cb.PARTS)
+        assert sorted(forward + backward) == sorted(cb.name_expressions(op, dt))
+        assert not set(forward) & set(backward)
+        assert bool(forward) == (op != cb.OP_FUSED_SUM) == ((op, dt, "forward") in cb.MODULES)
+        assert backward and (op, dt, "backward") in cb.MODULES
+        assert {cb.kernel_part(n) for n in forward} <= {"forward"}
+        assert {cb.kernel_part(n) for n in backward} == {"backward"}
+    with pytest.raises(ValueError, match=r"part: expected one of .* got 'both'"):
+        cb.name_expressions(cb.OP_RMS, cb.DT_F32, "both")
 
 
 def test_launch_shapes():
@@ -1416,15 +1435,16 @@ def test_a_module_compile_is_announced_and_cached(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: "sm_90")
     monkeypatch.setattr(cb, "compile_kernels", fake_compile)
     monkeypatch.setattr(cb, "_modules", {})
-    module, mapping = cb._module(0, cb.OP_GATED, cb.DT_BF16)
+    module, mapping = cb._module(0, cb.OP_GATED, cb.DT_BF16, "forward")
     err = capsys.readouterr().err
     assert compiled == ["sm_90"] and module == "module"
-    assert set(mapping) == set(cb.name_expressions(cb.OP_GATED, cb.DT_BF16))
-    assert ("compiling the rms_norm_gated kernels (bfloat16, sm_90) with NVRTC" in err
+    assert set(mapping) == set(cb.name_expressions(cb.OP_GATED, cb.DT_BF16, "forward"))
+    assert ("compiling the rms_norm_gated forward kernels (bfloat16, sm_90) with NVRTC" in err
             and str(tmp_path / "cache") in err)
-    assert re.search(r"compiled the rms_norm_gated kernels \(bfloat16, sm_90\) in \d+ s", err)
+    assert re.search(r"compiled the rms_norm_gated forward kernels \(bfloat16, sm_90\) in \d+ s",
+                     err)
     monkeypatch.setattr(cb, "_modules", {})  # a new process: from the disk cache
-    assert cb._module(0, cb.OP_GATED, cb.DT_BF16)[1] == mapping
+    assert cb._module(0, cb.OP_GATED, cb.DT_BF16, "forward")[1] == mapping
     assert compiled == ["sm_90"] and capsys.readouterr().err == ""
     assert loaded == [b"\x7fELF image"] * 2
 
@@ -1464,22 +1484,22 @@ def test_modules_compile_side_by_side(monkeypatch, tmp_path, capsys):
         if nth <= 3:
             barrier.wait()
         if nth == 3:
-            loaded_meanwhile.append(cb._module(0, cb.OP_RMS, cb.DT_F32)[0])
+            loaded_meanwhile.append(cb._module(0, cb.OP_RMS, cb.DT_F32, "forward")[0])
         return _image(names, f"{names[0]} image")
 
     _fake_nvrtc_world(monkeypatch, tmp_path, lambda names, arch: _image(
         names, f"{names[0]} image"))
-    cb._module_image(cb._cupy(), 0, cb.OP_RMS, cb.DT_F32)  # on disk, not loaded
+    cb._module_image(cb._cupy(), 0, *cb.MODULES[0])  # on disk, not loaded
     capsys.readouterr()
     monkeypatch.setattr(cb, "compile_kernels", fake_compile)
     cb.compile_modules(0, jobs=3)
-    assert sorted(compiled) == sorted(tuple(cb.name_expressions(op, dt))
-                                      for op, dt in cb.MODULES[1:])
-    assert loaded_meanwhile == [f"{cb.name_expressions(cb.OP_RMS, cb.DT_F32)[0]} image"
-                                .encode()]
-    assert capsys.readouterr().err.count("normspec cupy: compiled the ") == 11
+    assert cb.MODULES[0] == (cb.OP_RMS, cb.DT_F32, "forward")
+    assert sorted(compiled) == sorted(tuple(cb.name_expressions(*module))
+                                      for module in cb.MODULES[1:])
+    assert loaded_meanwhile == [f"{cb.name_expressions(*cb.MODULES[0])[0]} image".encode()]
+    assert capsys.readouterr().err.count("normspec cupy: compiled the ") == 20
     cb.compile_modules(0, jobs=3)
-    assert len(compiled) == 11 and capsys.readouterr().err == ""
+    assert len(compiled) == 20 and capsys.readouterr().err == ""
 
 
 def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tmp_path):
@@ -1496,7 +1516,8 @@ def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tm
     _fake_nvrtc_world(monkeypatch, tmp_path, fake_compile)
     results = []
     threads = [threading.Thread(target=lambda: results.append(
-        cb._module_image(cb._cupy(), 0, cb.OP_FUSED, cb.DT_BF16))) for _ in range(3)]
+        cb._module_image(cb._cupy(), 0, cb.OP_FUSED, cb.DT_BF16, "backward")))
+        for _ in range(3)]
     for t in threads:
         t.start()
     assert started.wait(20)
@@ -1510,7 +1531,7 @@ def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tm
 def test_a_failed_compile_is_raised_after_the_others_finish(monkeypatch, tmp_path):
     """One module NVRTC refuses: ``compile_modules`` raises its error once the others
     finished, their images are cached, and ``available()`` reports the failure since."""
-    bad = cb.name_expressions(cb.OP_GATED, cb.DT_F16)
+    bad = cb.name_expressions(cb.OP_GATED, cb.DT_F16, "backward")
 
     def fake_compile(names, arch):
         if names == bad:
@@ -1520,7 +1541,7 @@ def test_a_failed_compile_is_raised_after_the_others_finish(monkeypatch, tmp_pat
     _fake_nvrtc_world(monkeypatch, tmp_path, fake_compile)
     with pytest.raises(cb.NVRTCCompileError, match="planted"):
         cb.compile_modules(0, jobs=4)
-    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 11
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 20
     assert "planted" in cb._compile_error
 
 
@@ -1536,12 +1557,11 @@ def _nvrtc_or_skip():
     return cp
 
 
-@pytest.mark.parametrize("dt", [cb.DT_F32, cb.DT_BF16, cb.DT_F16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("op", [cb.OP_RMS, cb.OP_FUSED, cb.OP_GATED, cb.OP_FUSED_SUM],
-                         ids=["rms", "fused", "gated", "fused-from-sum"])
-def test_every_kernel_compiles_to_sm90_cubin(op, dt):
+@pytest.mark.parametrize("module", cb.MODULES, ids=lambda m: "-".join(map(str, m)))
+def test_every_kernel_compiles_to_sm90_cubin(module):
+    """Each module as ``compile_modules`` compiles it."""
     _nvrtc_or_skip()
-    names = cb.name_expressions(op, dt)
+    names = cb.name_expressions(*module)
     image, mapping, _log = cb.compile_kernels(names, "sm_90")
     assert image[:4] == b"\x7fELF"
     assert set(mapping) == set(names)
