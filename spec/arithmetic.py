@@ -86,8 +86,24 @@ EXP_MAX_ULP_ERROR = 1.2
 
 
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
-    """An fp32 0-d constant on ``like``'s device (never a Python double)."""
-    return torch.tensor(value, dtype=F32, device=like.device)
+    """An fp32 0-d constant on ``like``'s device (never a Python double), made once per
+    value and device and kept: a CUDA constant costs a host-to-device copy that waits for
+    the stream, a dozen of them per ``exp_fp32``. Keyed by the value's exact form, so
+    ``-0.0`` and ``+0.0`` stay apart. Callers never write to it. Made outside inference
+    mode (an inference tensor could not be saved for a later backward), and kept only when
+    it is a plain tensor made eagerly (not a fake tensor of a tracer)."""
+    key = (float(value).hex(), like.device)
+    constant = _constants.get(key)
+    if constant is None:
+        with torch.inference_mode(False):
+            constant = torch.tensor(value, dtype=F32, device=like.device)
+        if type(constant) is torch.Tensor and not torch.compiler.is_compiling():
+            _constants[key] = constant
+    return constant
+
+
+#: ``_f32``'s constants by (``float.hex`` of the value, device)
+_constants: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

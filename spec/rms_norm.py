@@ -58,7 +58,7 @@ def _scale(weight: torch.Tensor, offset: float) -> torch.Tensor:
     w32 = weight.to(F32)
     if offset == 0.0:
         return w32
-    return torch.tensor(offset, dtype=F32, device=w32.device) + w32
+    return A._f32(offset, w32) + w32
 
 
 def normalize_rows(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
