@@ -291,3 +291,45 @@ def test_equal_fraction_is_exactly_one_when_all_equal(device):
     got = t.clone()
     got[:3] = 1.0
     assert compare("y", got, t, "forward").equal_fraction == 0.7
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_identical_answers_what_compare_calls_bitwise(device):
+    """The invariance gates ask ``identical`` first and compare in full only where it says
+    no: both must agree on signed zeros, NaN payloads, infinities, shapes and dtypes."""
+    from normspec.gates import compare, identical
+
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    base = torch.tensor([0.0, 1.5, float("inf"), float("nan"), -2.0]).to(device)
+    pairs = [
+        (base.clone(), base),
+        (torch.tensor([-0.0, 1.5, float("inf"), float("nan"), -2.0]).to(device), base),
+        (torch.cat([base[:3], nan2.to(device), base[4:]]), base),  # another NaN payload
+        (torch.tensor([0.0, 1.5, float("-inf"), float("nan"), -2.0]).to(device), base),
+        (base.nextafter(torch.full_like(base, 9.0)), base),
+        (base[:4], base),
+        (base.double(), base.double().float().double()),
+        (base.to(torch.bfloat16), base),
+        (base[:0], base[:0]),
+    ]
+    answers = [identical(got, ref) for got, ref in pairs]
+    assert answers == [True, False, True, False, False, False, True, False, True]
+    for (got, ref), same in zip(pairs, answers, strict=True):
+        if got.dtype == ref.dtype and got.dtype != torch.float64:
+            assert compare("y", got, ref, "forward").bitwise == same
+
+
+def test_compare_statistics_of_a_known_pair():
+    """Every statistic the one sync reads: counts, ulps, differences, the tolerance."""
+    from normspec.gates import compare
+
+    ref = torch.tensor([1.0, -0.0, 2.0, float("inf"), float("nan"), 4.0])
+    got = torch.tensor([1.0, 0.0, 2.0, float("inf"), float("nan"), 4.0]).clone()
+    got[5] = torch.tensor(4.0).nextafter(torch.tensor(5.0))
+    c = compare("y", got, ref, "forward")
+    assert (c.bitwise, c.equal_fraction, c.max_ulp, c.signed_zeros) == (False, 4 / 6, 1, 1)
+    assert c.max_abs == 2.0 ** -21 and c.max_rel == 2.0 ** -23 and c.within_tolerance
+    far = ref.clone()
+    far[0] = 1.5
+    c = compare("y", far, ref, "forward")
+    assert not c.within_tolerance and c.max_abs == 0.5 and c.max_ulp == 2 ** 22

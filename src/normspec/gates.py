@@ -12,7 +12,8 @@ import torch
 
 from normspec.spec.arithmetic import same_bits, ulp_distance
 
-__all__ = ["LEVELS", "TOLERANCES", "Comparison", "Tolerance", "compare", "level_of"]
+__all__ = ["LEVELS", "TOLERANCES", "Comparison", "Tolerance", "compare", "identical",
+           "level_of"]
 
 #: Conformance levels, best first.
 LEVELS = ("exact", "invariant", "accurate", "fails")
@@ -84,33 +85,48 @@ def compare(
         return Comparison(name, True, True, 1.0, 0, 0.0, 0.0, 0)
     d = ulp_distance(got, ref)
     same = same_bits(got, ref)
-    # counts, not means: CUDA's mean multiplies by 1/numel, so an all-equal tensor
-    # could read 0.9999999999999999; the counts also answer "bitwise" (one sync for both)
-    n_equal, n_zero_ulp = torch.stack([same.sum(), (d == 0).sum()]).tolist()
-    bitwise = n_equal == ref.numel()
     g64, r64 = got.double(), ref.double()
     both_nan = torch.isnan(g64) & torch.isnan(r64)
     same_inf = torch.isinf(r64) & (g64 == r64)
     diff = torch.where(both_nan | same_inf, torch.zeros_like(g64), (g64 - r64).abs())
     diff = torch.nan_to_num(diff, nan=float("inf"))
     finite = torch.isfinite(r64)
-    rms = r64[finite].square().mean().sqrt().item() if finite.any() else 0.0
-    rms = max(rms, scale_floor)
+    n_finite = finite.sum()
+    square_sum = torch.where(finite, r64, torch.zeros_like(r64)).square().sum()
+    rms = (square_sum / n_finite.clamp(min=1)).sqrt().clamp(min=scale_floor)
     tol = TOLERANCES[(kind, ref.dtype)]
     bound = tol.atol_rms * rms + tol.rtol * torch.nan_to_num(r64.abs(), posinf=0.0)
-    within = bitwise or bool(torch.all(diff <= bound))
     rel = diff / torch.where(r64.abs() > 0, r64.abs(), torch.ones_like(r64))
+    # every statistic in one float64 vector, read with one sync: the counts (not means:
+    # CUDA's mean multiplies by 1/numel, so an all-equal tensor could read
+    # 0.9999999999999999) and ulp distances below 2**32 are exact there
+    n_equal, n_zero_ulp, all_within, max_ulp, max_abs, max_rel = torch.stack([
+        same.sum().double(), (d == 0).sum().double(), torch.all(diff <= bound).double(),
+        d.max().double(), diff.max(), torch.nan_to_num(rel, nan=float("inf")).max(),
+    ]).tolist()
+    bitwise = n_equal == ref.numel()
     return Comparison(
         tensor=name,
         bitwise=bitwise,
-        within_tolerance=within,
+        within_tolerance=bitwise or all_within == 1.0,
         equal_fraction=n_equal / ref.numel(),
-        max_ulp=int(d.max().item()),
-        max_abs=float(diff.max().item()),
-        max_rel=float(torch.nan_to_num(rel, nan=float("inf")).max().item()),
+        max_ulp=int(max_ulp),
+        max_abs=max_abs,
+        max_rel=max_rel,
         numel=ref.numel(),
-        signed_zeros=n_zero_ulp - n_equal,
+        signed_zeros=int(n_zero_ulp - n_equal),
     )
+
+
+def identical(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether ``got`` has ``ref``'s shape, dtype and bits
+    ([`same_bits`][normspec.spec.arithmetic.same_bits]): what ``compare`` calls
+    ``bitwise``, in a few kernels and one sync, for the many comparisons that only need
+    that answer unless it is no."""
+    got, ref = got.detach(), ref.detach()
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    return ref.numel() == 0 or bool(same_bits(got, ref).all())
 
 
 def level_of(*, crashed: bool, within: bool, bitwise: bool, invariant: bool) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from normspec.spec.arithmetic import tree_sum
 
-from .gates import Comparison, compare, level_of
+from .gates import Comparison, compare, identical, level_of
 from .ops import OpDef, Sample, get_op, variant_name
 from .profiles import Profile
 from .registry import Backend
@@ -194,6 +194,8 @@ def _invariance(
             gate.crash(label, f"invariance/{t.name}", exc)
             continue
         for name, ref, out in zip(names, reference, outs, strict=True):
+            if identical(out, ref[idx]):  # the usual answer, without the statistics
+                continue
             c = compare(name, out, ref[idx], "forward" if name in ("y", "residual_out")
                         else "gradient")
             if not c.bitwise:
