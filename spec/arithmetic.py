@@ -90,14 +90,16 @@ def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
     value and device and kept: a CUDA constant costs a host-to-device copy that waits for
     the stream, a dozen of them per ``exp_fp32``. Keyed by the value's exact form, so
     ``-0.0`` and ``+0.0`` stay apart. Callers never write to it. Made outside inference
-    mode (an inference tensor could not be saved for a later backward), and kept only when
-    it is a plain tensor made eagerly (not a fake tensor of a tracer)."""
+    mode (an inference tensor could not be saved for a later backward). Only eager calls
+    on plain tensors use the kept ones: a tracer's fake or symbolic tensors get a constant
+    made in their mode (a kept real one would be refused there), which is not kept."""
+    eager = type(like) is torch.Tensor and not torch.compiler.is_compiling()
     key = (float(value).hex(), like.device)
-    constant = _constants.get(key)
+    constant = _constants.get(key) if eager else None
     if constant is None:
         with torch.inference_mode(False):
             constant = torch.tensor(value, dtype=F32, device=like.device)
-        if type(constant) is torch.Tensor and not torch.compiler.is_compiling():
+        if eager and type(constant) is torch.Tensor:
             _constants[key] = constant
     return constant
 

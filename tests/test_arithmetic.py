@@ -187,8 +187,9 @@ def test_a_constant_first_made_in_inference_mode_serves_autograd_later():
     assert torch.equal(xg.grad, c.expand(2))
 
 
-def test_a_fake_constant_is_not_kept():
-    """A tracer's fake tensor must not stand in for later eager calls."""
+def test_fake_tracing_and_kept_constants_stay_apart():
+    """A tracer's fake constant must not stand in for later eager calls, nor a kept real
+    one enter a fake trace (FakeTensorMode refuses real tensors), in either order."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
@@ -196,3 +197,9 @@ def test_a_fake_constant_is_not_kept():
     assert type(fake) is not torch.Tensor
     real = A._f32(0.987654321, torch.zeros(2))
     assert type(real) is torch.Tensor and real.item() == float(np.float32(0.987654321))
+    x = torch.linspace(-3.0, 3.0, 7)
+    want = A.silu_fp32(x)  # the constants kept now
+    with FakeTensorMode() as mode:
+        traced = A.silu_fp32(mode.from_tensor(x))
+    assert traced.shape == want.shape and traced.dtype == want.dtype
+    assert torch.equal(A.silu_fp32(x), want)

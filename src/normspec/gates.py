@@ -93,7 +93,9 @@ def compare(
     finite = torch.isfinite(r64)
     n_finite = finite.sum()
     square_sum = torch.where(finite, r64, torch.zeros_like(r64)).square().sum()
-    rms = (square_sum / n_finite.clamp(min=1)).sqrt().clamp(min=scale_floor)
+    rms = (square_sum / n_finite.clamp(min=1)).sqrt()
+    if scale_floor > 0:  # (a NaN floor is ignored, as max(rms, nan) was)
+        rms = rms.clamp(min=scale_floor)
     tol = TOLERANCES[(kind, ref.dtype)]
     bound = tol.atol_rms * rms + tol.rtol * torch.nan_to_num(r64.abs(), posinf=0.0)
     rel = diff / torch.where(r64.abs() > 0, r64.abs(), torch.ones_like(r64))
