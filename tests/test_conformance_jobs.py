@@ -96,6 +96,23 @@ def test_the_checks_run_in_several_workers():
     assert len(pids) == 2 and os.getpid() not in pids
 
 
+def _threads(task, quick, seeds):
+    import torch
+
+    return {"threads": torch.get_num_threads()}, 0.0
+
+
+def test_worker_threads_come_from_the_environment(monkeypatch):
+    """``NORMSPEC_WORKER_THREADS`` sets each worker's torch CPU threads; a bad value is
+    named before any worker starts."""
+    tasks = [Task("reference", "rms_norm", "cpu_fp32")]
+    monkeypatch.setenv("NORMSPEC_WORKER_THREADS", "1")
+    assert check_in_workers(tasks, jobs=1, worker=_threads)[tasks[0]] == {"threads": 1}
+    monkeypatch.setenv("NORMSPEC_WORKER_THREADS", "two")
+    with pytest.raises(ValueError, match="NORMSPEC_WORKER_THREADS: expected a whole number"):
+        check_in_workers(tasks, jobs=1, worker=_threads)
+
+
 def _fail_fast_or_sleep(task, quick, seeds):
     if task.op == "boom":
         raise ValueError("boom")

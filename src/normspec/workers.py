@@ -33,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
-__all__ = ["Task", "check_in_workers", "longest_first", "validate_jobs"]
+__all__ = ["Task", "check_in_workers", "longest_first", "validate_jobs", "worker_threads"]
 
 
 class Task(NamedTuple):
@@ -69,9 +69,27 @@ def longest_first(tasks: Sequence[Task], seconds: Mapping[Task, float]) -> list[
 _progress: Any = None  # the parent's progress queue, set in each worker by _start_worker
 
 
-def _start_worker(progress: Any) -> None:
+def worker_threads() -> int | None:
+    """``$NORMSPEC_WORKER_THREADS``: each worker's torch CPU threads
+    (``torch.set_num_threads``), or ``None`` (unset: torch's default, every core, in
+    each worker). Raises ``ValueError`` naming the variable for a value that is not a
+    whole number >= 1."""
+    value = os.environ.get("NORMSPEC_WORKER_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NORMSPEC_WORKER_THREADS: expected a whole number >= 1 (each "
+                         f"worker's torch CPU threads), got {value!r}")
+    return int(value)
+
+
+def _start_worker(progress: Any, threads: int | None = None) -> None:
     global _progress
     _progress = progress
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     # Ctrl-C reaches the whole process group: the parent alone decides, and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="normspec-orphan",
@@ -127,6 +145,7 @@ def check_in_workers(
             tasks are cancelled.
     """
     validate_jobs(jobs)
+    threads = worker_threads()
     if not tasks:
         return {}
     ctx = multiprocessing.get_context("spawn")
@@ -154,7 +173,7 @@ def check_in_workers(
     reader.start()
     results: dict[Task, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
-                               initializer=_start_worker, initargs=(progress,))
+                               initializer=_start_worker, initargs=(progress, threads))
     finished = False
     try:
         futures = {pool.submit(worker, task, quick, seeds): task for task in tasks}
