@@ -7,7 +7,9 @@ CUDA does not allow), so it imports torch, discovers the backends through their
 entry points and loads each one it is given, once. The checks are the serial
 run's: the same cases, seeds and gates, so a report does not depend on the
 number of jobs. The workers report every finished case to the parent through a
-queue, which drives the parent's progress bar.
+queue, which drives the parent's progress bar. ``NORMSPEC_WORKER_THREADS=N`` gives
+each worker N torch CPU threads ([`worker_threads`][normspec.workers.worker_threads];
+by default torch's own, every core in each worker).
 
 Spawning re-imports the main module in each worker: a script that calls
 [`run_conformance`][normspec.conformance.run_conformance] with ``jobs`` above 1
