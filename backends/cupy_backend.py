@@ -133,6 +133,7 @@ from typing import Any, NamedTuple
 import torch
 
 from normspec.backends.build_defines import build_defines
+from normspec.environ import positive_int
 from normspec.progress import say
 from normspec.registry import Backend, OpSupport
 from normspec.spec.validation import (
@@ -1213,12 +1214,9 @@ def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float
 def _max_jobs() -> int:
     """``$MAX_JOBS`` when it is a positive integer (else a ``ValueError`` naming it), or
     the number of CPU cores this process may use."""
-    value = os.environ.get("MAX_JOBS", "").strip()
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"MAX_JOBS: expected a positive integer (how many NVRTC "
-                             f"compiles run at once), got {value!r}")
-        return int(value)
+    jobs = positive_int("MAX_JOBS", "a positive integer (how many NVRTC compiles run at once)")
+    if jobs is not None:
+        return jobs
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -35,6 +35,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
+from .environ import positive_int
+
 __all__ = ["Task", "check_in_workers", "longest_first", "validate_jobs", "worker_threads"]
 
 
@@ -76,13 +78,8 @@ def worker_threads() -> int | None:
     (``torch.set_num_threads``), or ``None`` (unset: torch's default, every core, in
     each worker). Raises ``ValueError`` naming the variable for a value that is not a
     whole number >= 1."""
-    value = os.environ.get("NORMSPEC_WORKER_THREADS", "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"NORMSPEC_WORKER_THREADS: expected a whole number >= 1 (each "
-                         f"worker's torch CPU threads), got {value!r}")
-    return int(value)
+    return positive_int("NORMSPEC_WORKER_THREADS",
+                        "a whole number >= 1 (each worker's torch CPU threads)")
 
 
 def _start_worker(progress: Any, threads: int | None = None) -> None:
