@@ -19,7 +19,7 @@ from normspec.cli import main
 from normspec.conformance import previous_seconds, run_conformance
 from normspec.ops import OPS
 from normspec.profiles import PROFILES
-from normspec.workers import Task, check_in_workers, longest_first
+from normspec.workers import Task, check_in_workers, longest_first, worker_threads
 
 SELECTION = dict(device="cpu", quick=True, ops=["rms_norm", "rms_norm_gated"],
                  profiles=["cpu_bf16"], backends=["reference", "transformers"])
@@ -108,9 +108,32 @@ def test_worker_threads_come_from_the_environment(monkeypatch):
     tasks = [Task("reference", "rms_norm", "cpu_fp32")]
     monkeypatch.setenv("NORMSPEC_WORKER_THREADS", "1")
     assert check_in_workers(tasks, jobs=1, worker=_threads)[tasks[0]] == {"threads": 1}
+    monkeypatch.setenv("NORMSPEC_WORKER_THREADS", "3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert worker_threads(8) == 3
     monkeypatch.setenv("NORMSPEC_WORKER_THREADS", "two")
     with pytest.raises(ValueError, match="NORMSPEC_WORKER_THREADS: expected a whole number"):
         check_in_workers(tasks, jobs=1, worker=_threads)
+
+
+@pytest.mark.parametrize(("cores", "jobs", "expected"),
+                         [(16, 8, 2), (16, 3, 5), (2, 8, 1), (64, 8, 8), (16, 1, None)])
+def test_worker_threads_default_to_a_share_of_the_cores(monkeypatch, cores, jobs, expected):
+    """Unset, each of several workers gets the usable cores shared among them (at least
+    one); a single worker keeps torch's default (``None``)."""
+    monkeypatch.delenv("NORMSPEC_WORKER_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert worker_threads(jobs) == expected
+
+
+def test_each_worker_starts_with_its_share_of_the_cores(monkeypatch):
+    """The share reaches the workers: two workers on four usable cores run two threads
+    each."""
+    monkeypatch.delenv("NORMSPEC_WORKER_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    tasks = [Task("reference", op, "cpu_fp32") for op in ("rms_norm", "fused_add_rms_norm")]
+    results = check_in_workers(tasks, jobs=2, worker=_threads)
+    assert [results[t] for t in tasks] == [{"threads": 2}] * 2
 
 
 def _fail_fast_or_sleep(task, quick, seeds):
@@ -275,8 +298,7 @@ def test_the_cli_passes_jobs(tmp_path, capsys):
 def test_the_default_jobs_on_cuda_is_one_per_two_cores_at_most_8(monkeypatch, cores, expected):
     from normspec import cli
 
-    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)),
-                        raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert cli._jobs(None, "cuda") == expected
     assert cli._jobs(None, "cpu") == 1
     assert cli._jobs(3, "cpu") == 3

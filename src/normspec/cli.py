@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from .conformance import (
 from .ops import OPS
 from .profiles import PROFILES, get_profile
 from .report import build_report
-from .workers import validate_jobs
+from .workers import usable_cores, validate_jobs
 
 __all__ = ["main"]
 
@@ -120,8 +119,7 @@ def _jobs(jobs: int | None, device: str) -> int:
         return validate_jobs(jobs)
     if device == "cpu":
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, (cores or 1) // 2))
+    return max(1, min(8, usable_cores() // 2))
 
 
 def _cmd_build(args: argparse.Namespace, console: Console) -> int:

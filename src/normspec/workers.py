@@ -7,9 +7,9 @@ CUDA does not allow), so it imports torch, discovers the backends through their
 entry points and loads each one it is given, once. The checks are the serial
 run's: the same cases, seeds and gates, so a report does not depend on the
 number of jobs. The workers report every finished case to the parent through a
-queue, which drives the parent's progress bar. ``NORMSPEC_WORKER_THREADS=N`` gives
-each worker N torch CPU threads ([`worker_threads`][normspec.workers.worker_threads];
-by default torch's own, every core in each worker).
+queue, which drives the parent's progress bar. Each worker gets an equal share of the
+cores for its torch CPU threads, ``NORMSPEC_WORKER_THREADS=N`` sets N instead
+([`worker_threads`][normspec.workers.worker_threads]).
 
 Spawning re-imports the main module in each worker: a script that calls
 [`run_conformance`][normspec.conformance.run_conformance] with ``jobs`` above 1
@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 
 from .environ import positive_int
 
-__all__ = ["Task", "check_in_workers", "longest_first", "validate_jobs", "worker_threads"]
+__all__ = ["Task", "check_in_workers", "longest_first", "usable_cores", "validate_jobs",
+           "worker_threads"]
 
 
 class Task(NamedTuple):
@@ -73,13 +74,33 @@ def longest_first(tasks: Sequence[Task], seconds: Mapping[Task, float]) -> list[
 _progress: Any = None  # the parent's progress queue, set in each worker by _start_worker
 
 
-def worker_threads() -> int | None:
-    """``$NORMSPEC_WORKER_THREADS``: each worker's torch CPU threads
-    (``torch.set_num_threads``), or ``None`` (unset: torch's default, every core, in
-    each worker). Raises ``ValueError`` naming the variable for a value that is not a
-    whole number >= 1."""
-    return positive_int("NORMSPEC_WORKER_THREADS",
-                        "a whole number >= 1 (each worker's torch CPU threads)")
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def worker_threads(jobs: int) -> int | None:
+    """Each of ``jobs`` workers' torch CPU threads (``torch.set_num_threads``).
+
+    ``$NORMSPEC_WORKER_THREADS`` where set; otherwise the usable cores shared
+    among the workers, at least one each, or ``None`` (torch's default) for a
+    single worker. Left to torch, every worker would start a thread per core:
+    on the H200's 16-core host the eight workers' small CPU ops then spin their
+    threads beside the other workers' Triton compiles, and the CUDA run took
+    187 and 192 s against 175 and 181 s with two threads a worker, in either
+    order (notes/perf.md §55, §56).
+
+    Raises:
+        ValueError: ``$NORMSPEC_WORKER_THREADS`` is not a whole number >= 1
+            (the message names the variable).
+    """
+    threads = positive_int("NORMSPEC_WORKER_THREADS",
+                           "a whole number >= 1 (each worker's torch CPU threads)")
+    if threads is not None or jobs == 1:
+        return threads
+    return max(1, usable_cores() // jobs)
 
 
 def _start_worker(progress: Any, threads: int | None = None) -> None:
@@ -144,7 +165,7 @@ def check_in_workers(
             tasks are cancelled.
     """
     validate_jobs(jobs)
-    threads = worker_threads()
+    threads = worker_threads(jobs)
     if not tasks:
         return {}
     ctx = multiprocessing.get_context("spawn")
