@@ -42,9 +42,13 @@ def _no_kept_cupy_launch_plans():
 def launch_probe(tmp_path_factory) -> Path:
     """tests/launch_probe/launch_probe.cu built for the host against fake_cudart.cpp (a
     recording stand-in for the CUDA runtime): the torch-free launcher's plans and
-    launches, printed without a GPU. Built once a session (about 90 s), or kept under
-    ``$NORMSPEC_BUILD_DIR`` by a digest of its sources and the kernels'; skipped without
-    nvcc."""
+    launches, printed without a GPU. Built once a session, or kept under
+    ``$NORMSPEC_BUILD_DIR`` by a digest of its flags, its sources and the kernels';
+    skipped without nvcc.
+
+    Its device code is never run, only the host's launches recorded, so NVVM does not
+    optimize it (``-Xcicc -O0``): on CI's two cores the build takes 32 s instead of 120,
+    and the probe's output is the same (notes/perf.md §56)."""
     import hashlib
 
     from test_cuda_sources import NVCC
@@ -52,7 +56,9 @@ def launch_probe(tmp_path_factory) -> Path:
     if NVCC is None:
         pytest.skip("nvcc not found")
     sources = [LAUNCH_PROBE / "launch_probe.cu", LAUNCH_PROBE / "fake_cudart.cpp"]
-    digest = hashlib.sha256(NVCC.encode())
+    flags = ["-std=c++17", "-arch=compute_90", "-code=compute_90", "-cudart", "none",
+             "-Xcicc", "-O0"]
+    digest = hashlib.sha256(" ".join([NVCC, *flags]).encode())
     for path in sorted([*sources, *(p for p in CSRC.rglob("*") if p.is_file())]):
         digest.update(path.name.encode() + path.read_bytes())
     name = f"launch_probe-{digest.hexdigest()[:16]}"
@@ -62,8 +68,7 @@ def launch_probe(tmp_path_factory) -> Path:
         return exe
     exe.parent.mkdir(parents=True, exist_ok=True)
     part = exe.with_name(f"{name}.{os.getpid()}.part")
-    cmd = [NVCC, "-std=c++17", "-arch=compute_90", "-code=compute_90", "-cudart", "none",
-           "-I", str(CSRC), *map(str, sources), "-o", str(part)]
+    cmd = [NVCC, *flags, "-I", str(CSRC), *map(str, sources), "-o", str(part)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     os.replace(part, exe)

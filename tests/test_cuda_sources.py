@@ -234,21 +234,6 @@ def test_hf_packed_weight_product_per_arch(tmp_path, arch, packed, probe):
     assert found == ([packed] * 8 if packed else []), found
 
 
-MICRO = Path(__file__).resolve().parents[1] / "bench" / "micro"
-
-
-@needs_nvcc
-@pytest.mark.parametrize("name", sorted(p.name for p in MICRO.glob("*.cu")))
-def test_micro_benchmarks_compile(tmp_path, name):
-    """The kernel-structure experiments under bench/micro/ build against the current
-    kernels (they launch them directly, so a signature change must not break them
-    unnoticed)."""
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-O3", "-fmad=false", "-I", str(CSRC),
-           "-c", str(MICRO / name), "-o", str(tmp_path / (name + ".o"))]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-6000:]
-
-
 @needs_nvcc
 def test_torch_facing_cuda_source_compiles(tmp_path):
     torch = pytest.importorskip("torch")
