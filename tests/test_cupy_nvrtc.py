@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import subprocess
 import sys
 import threading
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -1557,12 +1559,34 @@ def _nvrtc_or_skip():
     return cp
 
 
-@pytest.mark.parametrize("module", cb.MODULES, ids=lambda m: "-".join(map(str, m)))
-def test_every_kernel_compiles_to_sm90_cubin(module):
-    """Each module as ``compile_modules`` compiles it."""
+@pytest.fixture(scope="module")
+def sm90_modules(request) -> dict[tuple[int, int, str], Future]:
+    """The modules ``test_every_kernel_compiles_to_sm90_cubin`` runs for, compiled side
+    by side before the first of those tests (NVRTC releases the GIL): on CI's two cores
+    in half the time one after another takes (about 190 s). Each future holds its
+    module's ``compile_kernels`` result or error, for its own test to report. Under
+    pytest-xdist, whose workers each run a share of the tests, every test compiles its
+    own module instead (empty)."""
     _nvrtc_or_skip()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return {}
+    wanted = {item.callspec.params["module"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_every_kernel_compiles_to_sm90_cubin"}
+    # the longest first (backward, gated, 16-bit), so the pool does not end on a long one
+    order = sorted(wanted, key=lambda m: (m[2] != "backward", m[0] != cb.OP_GATED,
+                                          m[1] == cb.DT_F32))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return {m: pool.submit(cb.compile_kernels, cb.name_expressions(*m), "sm_90")
+                for m in order}
+
+
+@pytest.mark.parametrize("module", cb.MODULES, ids=lambda m: "-".join(map(str, m)))
+def test_every_kernel_compiles_to_sm90_cubin(module, sm90_modules):
+    """Each module as ``compile_modules`` compiles it."""
     names = cb.name_expressions(*module)
-    image, mapping, _log = cb.compile_kernels(names, "sm_90")
+    compiled = sm90_modules.get(module)
+    image, mapping, _log = (compiled.result() if compiled is not None
+                            else cb.compile_kernels(names, "sm_90"))
     assert image[:4] == b"\x7fELF"
     assert set(mapping) == set(names)
     # the lowered names carry the argument types the launcher packs

@@ -177,7 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run the checks in N worker processes side by side (default: 1 on "
                         "cpu; on cuda one per two cores, at most 8), the longest first "
-                        "by the times in the reports under --out; the verdicts do not "
+                        "by the times in the reports under --out, each with an equal "
+                        "share of the cores for its torch threads "
+                        "($NORMSPEC_WORKER_THREADS sets them); the verdicts do not "
                         "depend on it")
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
