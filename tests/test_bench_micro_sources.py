@@ -9,7 +9,9 @@ flags ``ab.py`` builds it with; the launch units it links against are compiled b
 
 from __future__ import annotations
 
+import os
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,28 @@ def test_there_are_harnesses():
     assert {p.name for p in HARNESSES} >= {"small_backward_ab.cu", "row_forward_ab.cu"}
 
 
+def _compile(harness: Path, obj: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([NVCC, *ab.NVCC_FLAGS, f"-I{CSRC}", "-c", str(harness), "-o",
+                           str(obj)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_harnesses(request, tmp_path_factory) -> dict[Path, Future]:
+    """The harnesses ``test_micro_harness_compiles`` runs for, compiled side by side (one
+    nvcc a core) before the first of those tests: row_forward_ab.cu alone takes 44 s on
+    CI's two cores. Under pytest-xdist each test compiles its own (empty)."""
+    if NVCC is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return {}
+    wanted = {item.callspec.params["harness"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_micro_harness_compiles"}
+    out = tmp_path_factory.mktemp("micro")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return {h: pool.submit(_compile, h, out / f"{h.stem}.o") for h in sorted(wanted)}
+
+
 @needs_nvcc
 @pytest.mark.parametrize("harness", HARNESSES, ids=lambda p: p.name)
-def test_micro_harness_compiles(tmp_path, harness):
-    done = subprocess.run([NVCC, *ab.NVCC_FLAGS, f"-I{CSRC}", "-c", str(harness), "-o",
-                           str(tmp_path / "harness.o")], capture_output=True, text=True)
+def test_micro_harness_compiles(tmp_path, harness, compiled_harnesses):
+    compiled = compiled_harnesses.get(harness)
+    done = compiled.result() if compiled is not None else _compile(harness, tmp_path / "h.o")
     assert done.returncode == 0, done.stderr[-6000:]
