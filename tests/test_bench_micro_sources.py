@@ -9,14 +9,15 @@ flags ``ab.py`` builds it with; the launch units it links against are compiled b
 
 from __future__ import annotations
 
-import os
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from _scripts import load_script
 from test_cuda_sources import CSRC, NVCC, needs_nvcc
+
+from conftest import compile_ahead
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESSES = sorted((ROOT / "bench" / "micro").glob("*.cu"))
@@ -35,15 +36,13 @@ def _compile(harness: Path, obj: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def compiled_harnesses(request, tmp_path_factory) -> dict[Path, Future]:
     """The harnesses ``test_micro_harness_compiles`` runs for, compiled side by side (one
-    nvcc a core) before the first of those tests: row_forward_ab.cu alone takes 44 s on
-    CI's two cores. Under pytest-xdist each test compiles its own (empty)."""
-    if NVCC is None or os.environ.get("PYTEST_XDIST_WORKER"):
+    nvcc a core) before the first of those tests: 58 s on CI's two cores, 80 s one after
+    another (row_forward_ab.cu alone 44 s)."""
+    if NVCC is None:
         return {}
-    wanted = {item.callspec.params["harness"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_micro_harness_compiles"}
     out = tmp_path_factory.mktemp("micro")
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return {h: pool.submit(_compile, h, out / f"{h.stem}.o") for h in sorted(wanted)}
+    return compile_ahead(request, "test_micro_harness_compiles", "harness",
+                         lambda h: _compile(h, out / f"{h.stem}.o"))
 
 
 @needs_nvcc

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import re
 import subprocess
 import sys
 import threading
 import types
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import compile_ahead
 from normspec.backends import cupy_backend as cb
 
 EPS = 1e-6
@@ -1562,22 +1562,17 @@ def _nvrtc_or_skip():
 @pytest.fixture(scope="module")
 def sm90_modules(request) -> dict[tuple[int, int, str], Future]:
     """The modules ``test_every_kernel_compiles_to_sm90_cubin`` runs for, compiled side
-    by side before the first of those tests (NVRTC releases the GIL): on CI's two cores
-    in half the time one after another takes (about 190 s). Each future holds its
-    module's ``compile_kernels`` result or error, for its own test to report. Under
-    pytest-xdist, whose workers each run a share of the tests, every test compiles its
-    own module instead (empty)."""
+    by side before the first of those tests (NVRTC releases the GIL): 92 s on CI's two
+    cores, 192 s one after another."""
     _nvrtc_or_skip()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return {}
-    wanted = {item.callspec.params["module"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_every_kernel_compiles_to_sm90_cubin"}
     # the longest first (backward, gated, 16-bit), so the pool does not end on a long one
-    order = sorted(wanted, key=lambda m: (m[2] != "backward", m[0] != cb.OP_GATED,
-                                          m[1] == cb.DT_F32))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return {m: pool.submit(cb.compile_kernels, cb.name_expressions(*m), "sm_90")
-                for m in order}
+    def longest_first(modules):
+        return sorted(modules, key=lambda m: (m[2] != "backward", m[0] != cb.OP_GATED,
+                                              m[1] == cb.DT_F32))
+
+    return compile_ahead(request, "test_every_kernel_compiles_to_sm90_cubin", "module",
+                         lambda m: cb.compile_kernels(cb.name_expressions(*m), "sm_90"),
+                         longest_first)
 
 
 @pytest.mark.parametrize("module", cb.MODULES, ids=lambda m: "-".join(map(str, m)))
