@@ -88,16 +88,18 @@ def pytest_collection_modifyitems(config, items):
 def compile_ahead(request: pytest.FixtureRequest, test: str, param: str,
                   compile_one: Callable[[Any], Any],
                   order: Callable[[set], list] = sorted) -> dict[Any, Future]:
-    """For a module-scoped fixture: each value of ``param`` that this session runs ``test``
-    with, given to ``compile_one`` in a thread a core, all finished before it returns,
-    as ``{value: future}`` (each future holds its result or its error, for its own test
-    to report). Compiles of several parametrized tests run side by side this way rather
-    than one after another, as the tests run. Under pytest-xdist, whose workers each run
-    a share of the tests, it returns ``{}``: each test compiles its own."""
+    """For a module-scoped fixture: each value of ``param`` that this session runs
+    ``test`` (of the fixture's module) with, given to ``compile_one`` in a thread a core,
+    all finished before it returns, as ``{value: future}`` (each future holds its result
+    or its error, for its own test to report). Compiles of several parametrized tests
+    run side by side this way rather than one after another, as the tests run. Under
+    pytest-xdist, whose workers each run a share of the tests, it returns ``{}``: each
+    test compiles its own."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return {}
     wanted = {item.callspec.params[param] for item in request.session.items
-              if getattr(item, "originalname", None) == test}
+              if getattr(item, "originalname", None) == test
+              and getattr(item, "module", None) is request.module}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return {value: pool.submit(compile_one, value) for value in order(wanted)}
 
