@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from normspec.spec.arithmetic import same_bits
+from normspec.workers import usable_cores
 
 HAS_CUDA = torch.cuda.is_available()
 LAUNCH_PROBE = Path(__file__).resolve().parent / "launch_probe"
@@ -100,7 +101,7 @@ def compile_ahead(request: pytest.FixtureRequest, test: str, param: str,
     wanted = {item.callspec.params[param] for item in request.session.items
               if getattr(item, "originalname", None) == test
               and getattr(item, "module", None) is request.module}
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
         return {value: pool.submit(compile_one, value) for value in order(wanted)}
 
 
