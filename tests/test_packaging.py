@@ -1,4 +1,5 @@
-"""The wheel holds every module of spec/, src/normspec/ and backends/ (none silently left out)."""
+"""The wheel holds every module of spec/, src/normspec/, backends/ and integrations/ (none
+silently left out)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = {"src/normspec": "normspec", "spec": "normspec/spec", "backends": "normspec/backends"}
+LAYOUT = {"src/normspec": "normspec", "spec": "normspec/spec", "backends": "normspec/backends",
+          "integrations": "normspec/integrations"}
 PACKAGE_DATA = ("*.py", "*.cu", "*.cuh", "*.cpp", "*.h")
 
 

@@ -1,4 +1,5 @@
-"""The ``normspec`` command line: ``list``, ``check``, ``conformance``, ``build``."""
+"""The ``normspec`` command line: ``list``, ``check``, ``conformance``, ``compare``, ``build``,
+``train-rollout``."""
 
 from __future__ import annotations
 
@@ -149,6 +150,38 @@ def _cmd_build(args: argparse.Namespace, console: Console) -> int:
     return 1 if failed else 0
 
 
+def _cmd_train_rollout(args: argparse.Namespace, console: Console) -> int:
+    # the integrations need transformers and vLLM; imported only for this command
+    from normspec.integrations.summary import PHASES, logprob_rows, site_rows
+    from normspec.integrations.train_rollout import run
+
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        raise ValueError(f"--checkpoint: expected a model directory, got {args.checkpoint!r}")
+    if args.json is not None and not Path(args.json).parent.is_dir():
+        raise ValueError(f"--json: directory {str(Path(args.json).parent)!r} does not exist")
+    report = run(args.checkpoint, alignment=args.alignment, backend=args.backend,
+                 sequences=args.sequences, length=args.length, max_tokens=args.max_tokens,
+                 train=args.train, progress=lambda line: console.print(f"normspec: {line}"))
+    report["command"] = _command()
+    phases = [title for name, title in PHASES.items() if name in report]
+    table = Table(title="norm sites: output elements bitwise equal, transformers vs vLLM")
+    for column in ("site kind", *phases):
+        table.add_column(column)
+    for row in site_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    table = Table(title="per-token logprobs, transformers teacher-forced vs vLLM prompt logprobs")
+    for column in ("phase", "max |Δ|", "mean |Δ|", "tokens with Δ = 0"):
+        table.add_column(column)
+    for row in logprob_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _command() -> str:
     return "normspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -187,6 +220,22 @@ def _parser() -> argparse.ArgumentParser:
     add_compare_parser(sub)
     sub.add_parser("build", help="build the backends that compile code (torch extension, "
                    "CuPy's NVRTC modules)")
+    t = sub.add_parser("train-rollout",
+                       help="transformers vs vLLM on one Qwen3-Next checkpoint, norms unpatched "
+                            "and patched (needs transformers and vLLM)")
+    t.add_argument("--checkpoint", default=None,
+                   help="a Qwen3-Next model directory (default: a tiny random model)")
+    t.add_argument("--alignment", default="trainer", choices=("trainer",),
+                   help="the declared conventions both sides use (transformers can only "
+                        "honour 'trainer')")
+    t.add_argument("--backend", default="torch_ext", choices=("torch_ext", "cupy"))
+    t.add_argument("--sequences", type=int, default=4, help="token sequences (default 4)")
+    t.add_argument("--length", type=int, default=32, help="tokens per sequence (default 32)")
+    t.add_argument("--max-tokens", type=int, default=4,
+                   help="decode steps vLLM generates after each prompt (default 4)")
+    t.add_argument("--train", type=int, default=3,
+                   help="training steps before the weight sync (0: none; default 3)")
+    t.add_argument("--json", help="write the report here")
     return p
 
 
@@ -197,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # logs (CI, nox): tables need room, nobody resizes a log
         console = Console(width=max(console.width, 160))
     handlers = {"list": _cmd_list, "check": _cmd_check, "conformance": _cmd_conformance,
-                "build": _cmd_build, "compare": run_compare_command}
+                "build": _cmd_build, "compare": run_compare_command,
+                "train-rollout": _cmd_train_rollout}
     try:
         return handlers[args.command](args, console)
     except (registry.UnknownBackendError, ValueError) as exc:
