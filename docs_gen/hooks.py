@@ -7,7 +7,7 @@
   is installed; an editable install maps those sub-packages in a way griffe does
   not follow.
 * ``on_files``: adds the generated pages (one per operator, the conformance
-  overview, backends, CLI, benchmarks with the multi-process rankings of
+  overview, backends, CLI, train = rollout, benchmarks with the multi-process rankings of
   ``bench/results/repeat/``), the benchmark plots, the divergence
   matrices and the KaTeX files (see `docs_gen.katex`).
 * ``on_page_markdown``: puts the README's quickstart commands into the home page.
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from docs_gen import bench, conformance, katex, pages  # noqa: E402
+from docs_gen import bench, conformance, katex, pages, train_rollout  # noqa: E402
 
 log = logging.getLogger("mkdocs.plugins.normspec")
 
@@ -97,7 +97,9 @@ def on_files(files: Files, config) -> Files:
         results = bench.load_results(_bench_dir())
         repeats = bench.load_repeats(_bench_dir() / "repeat")
         assets = katex.katex_assets()
-    except (conformance.ReportError, bench.BenchResultError, katex.KatexUnavailableError) as exc:
+        train_rollout_report = train_rollout.load_report(_reports_dir())
+    except (conformance.ReportError, bench.BenchResultError, katex.KatexUnavailableError,
+            train_rollout.TrainRolloutReportError) as exc:
         raise PluginError(str(exc)) from None
     compare_dir = _reports_dir() / "compare"
     compare = sorted(p for p in compare_dir.glob("*") if p.suffix in (".png", ".json")) \
@@ -114,6 +116,10 @@ def on_files(files: Files, config) -> Files:
     _add(files, config, "reference/cli.md", pages.cli_page())
     page, generated = bench.benchmarks_page(results, compare, repeats=repeats)
     _add(files, config, "benchmarks.md", page)
+    for path, data in generated.items():
+        _add(files, config, path, data)
+    page, generated = train_rollout.train_rollout_page(train_rollout_report)
+    _add(files, config, "train-rollout.md", page)
     for path, data in generated.items():
         _add(files, config, path, data)
     for name, data in assets.items():

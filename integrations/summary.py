@@ -10,7 +10,8 @@ from .sites import SITE_KINDS
 __all__ = ["PHASES", "logprob_rows", "site_rows"]
 
 #: Report sections with a site table, in order, and how they are titled.
-PHASES = {"unpatched": "unpatched", "patched": "patched", "after_sync": "after train + sync"}
+PHASES = {"unpatched": "unpatched", "patched": "patched", "after_sync": "after train + sync",
+          "fresh_load": "trained, fresh engine"}
 
 
 def _percent(value: float | None) -> str:

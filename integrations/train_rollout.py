@@ -4,9 +4,9 @@
 child process ([`rollout_worker`][normspec.integrations.rollout_worker.rollout_worker])
 and a transformers model in this one, over the same checkpoint and token ids:
 per-site bitwise equality of the norms both ways, per-token logprobs, and
-(optionally) a few training steps whose weights are then synced into the
-live engine. The result is a JSON-ready dict; `normspec train-rollout`
-writes it.
+(optionally) a few training steps whose weights are then reloaded into the
+live engine, and the trained checkpoint in a fresh engine, which checks that
+reload. The result is a JSON-ready dict; `normspec train-rollout` writes it.
 """
 
 from __future__ import annotations
@@ -162,5 +162,15 @@ def run(checkpoint: str | Path | None = None, *, alignment: str = "trainer",
                 report["after_sync"] = _phase(model, engine, seqs, max_tokens)
         finally:
             engine.close()
+        if train:
+            progress("the trained checkpoint in a fresh vLLM engine (checks the in-place sync)")
+            engine = RolloutEngine(work / "trained", rollout_name, backend)
+            try:
+                report["fresh_load"] = _phase(model, engine, seqs, max_tokens)
+            finally:
+                engine.close()
+            report["sync_vs_fresh_load"] = logprob_delta(
+                report["after_sync"]["rollout_logprobs"],
+                report["fresh_load"]["rollout_logprobs"])
     return report
 

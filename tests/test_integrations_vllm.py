@@ -103,7 +103,7 @@ def proof():
 
 @pytest.mark.slow
 def test_patched_sites_are_bitwise_equal_both_ways_and_after_a_weight_sync(proof):
-    for phase in ("patched", "after_sync"):
+    for phase in ("patched", "after_sync", "fresh_load"):
         for direction, table in proof[phase]["sites"].items():
             assert set(table) >= {"input_norm", "post_attention_norm", "final_norm",
                                   "qk_norm", "gated_norm"}, (phase, direction)
