@@ -68,8 +68,11 @@ def rollout_worker(conn, checkpoint: str, env: dict[str, str]) -> None:
 
         from . import vllm as plugin
 
+        # on the CPU backend gpu_memory_utilization is the share of the host's memory
+        # reserved at start (0.92 by default, refused once anything else holds memory)
         llm = LLM(model=checkpoint, dtype="bfloat16", enforce_eager=True,
-                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, seed=0)
+                  skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, seed=0,
+                  gpu_memory_utilization=0.25)
         state = plugin.current()
         classes = llm.apply_model(lambda m: sorted({type(mod).__name__ for _, mod in
                                                     m.named_modules()

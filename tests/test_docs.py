@@ -307,6 +307,8 @@ def test_strict_build_has_every_page(site):
     for rel in ("index.html", "arithmetic/index.html", "backends/index.html",
                 "backends/writing-a-backend/index.html", "benchmarks/index.html",
                 "conformance/index.html", "reference/cli/index.html",
+                "train-rollout/index.html", "assets/train_rollout/logprob_delta.png",
+                "reference/integrations/index.html",
                 "assets/katex/katex.min.js", "assets/katex/katex.min.css"):
         assert (site / rel).is_file(), rel
     for op in OPS:

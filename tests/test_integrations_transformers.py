@@ -187,12 +187,20 @@ def test_training_steps_gradients_equal_the_spec_and_loss_falls():
 
 def test_patch_mapping_builds_normspec_classes():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.monkey_patching import apply_patches
+    from transformers.monkey_patching import (
+        apply_patches,
+        register_patch_mapping,
+        unregister_patch_mapping,
+    )
 
     mapping = nt.patch_mapping()
     assert set(mapping) == {"Qwen3NextRMSNorm", "Qwen3NextRMSNormGated"}
-    with apply_patches(mapping):
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**TINY_CONFIG)).to(torch.bfloat16)
+    register_patch_mapping(mapping, overwrite=True)
+    try:
+        with apply_patches():
+            model = Qwen3NextForCausalLM(Qwen3NextConfig(**TINY_CONFIG)).to(torch.bfloat16)
+    finally:
+        unregister_patch_mapping(list(mapping))
     names = {type(m).__name__ for m in model.modules()}
     assert {"NormspecQwen3NextRMSNorm", "NormspecQwen3NextRMSNormGated"} <= names
     assert "Qwen3NextRMSNorm" not in names

@@ -110,8 +110,9 @@ def test_patched_sites_are_bitwise_equal_both_ways_and_after_a_weight_sync(proof
             for kind, row in table.items():
                 assert row["equal"] == 1.0, (phase, direction, kind, row)
                 assert row.get("residual_equal", 1.0) == 1.0, (phase, direction, kind, row)
-    assert proof["vllm_norm_classes"]["patched"] == ["NormspecGemmaRMSNorm",
-                                                     "NormspecRMSNormGated"]
+    patched = set(proof["vllm_norm_classes"]["patched"])
+    assert {"NormspecGemmaRMSNorm", "NormspecRMSNormGated"} <= patched
+    assert not {"GemmaRMSNorm", "RMSNormGated"} & patched
     assert "reload_weights" in proof["training"]["weight_sync"]
 
 
