@@ -13,7 +13,7 @@ gives, per site kind, the fraction of output elements that are bitwise equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +22,8 @@ from normspec.spec import same_bits
 
 from .sites import SITE_KINDS, site_kind
 
-__all__ = ["NormCall", "capture", "equality_table", "fused_sites", "merge_tables",
-           "replay_on_transformers", "replay_on_vllm"]
+__all__ = ["NormCall", "capture", "equality_table", "fused_sites", "replay_on_transformers",
+           "replay_on_vllm"]
 
 
 @dataclass
@@ -167,14 +167,3 @@ def equality_table(recorded: Sequence[NormCall], replayed: Sequence[NormCall]
             table[kind] = row
     return table
 
-
-def merge_tables(*tables: Mapping[str, Mapping[str, float | int]]) -> dict[str, float]:
-    """The smallest ``equal`` (and ``residual_equal``) of each kind over several tables."""
-    merged: dict[str, float] = {}
-    for table in tables:
-        for kind, row in table.items():
-            for key in ("equal", "residual_equal"):
-                if key in row:
-                    name = kind if key == "equal" else f"{kind}.residual"
-                    merged[name] = min(merged.get(name, 1.0), float(row[key]))
-    return merged
