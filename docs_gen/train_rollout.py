@@ -131,7 +131,7 @@ def train_rollout_page(report: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         *_table(["phase", "max abs Δ", "mean abs Δ", "tokens with Δ = 0"],
                 logprob_rows(report)),
         "",
-        f"![abs Δ logprob per token]({PLOT.removeprefix('assets/')})",
+        f"![abs Δ logprob per token]({PLOT})",
         "",
         "The norms are equal once patched; the logprobs are not, because the rest of the "
         "model is computed by different kernels on each side (GEMMs, attention, the GDN "
