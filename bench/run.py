@@ -8,8 +8,9 @@ Times forward and backward (dx and dweight together) of
 * the gated norm of the GDN layers, 2^21 × 128;
 
 for: torch eager and ``torch.compile`` of the transformers formula (the real
-``Qwen3NextRMSNorm`` / ``Qwen3NextRMSNormGated`` modules), Liger, FLA, and
-normspec's ``torch_ext`` and ``cupy`` backends, each where it is installed.
+``Qwen3NextRMSNorm`` / ``Qwen3NextRMSNormGated`` modules), Liger, FLA,
+FlashInfer (forward only: it has no backward), and normspec's ``torch_ext`` and
+``cupy`` backends, each where it is installed.
 Prints µs, TB/s and the fraction of the measured device-to-device copy
 bandwidth (a 1 GiB copy), and writes JSON to ``bench/results/<gpu>.json``.
 Every case also gets a reference row, ``device copy (same bytes)``: a copy
@@ -196,6 +197,12 @@ def peers_norm(weight: torch.Tensor) -> dict[str, Callable]:
         out["fla"] = lambda x: fla_rms_norm(x, w1, None, eps=EPS)
     except Exception as exc:
         print(f"fla unavailable: {exc}", file=sys.stderr)
+    try:
+        from flashinfer.norm import gemma_rmsnorm
+
+        out[FLASHINFER] = lambda x: gemma_rmsnorm(x, m.weight, EPS)
+    except Exception as exc:
+        print(f"flashinfer unavailable: {exc}", file=sys.stderr)
     for name, mod in _ours():
         out[name] = lambda x, mod=mod: mod.rms_norm(x, m.weight, eps=EPS, offset=1.0)
     return out
@@ -219,6 +226,16 @@ def peers_fused(weight: torch.Tensor) -> dict[str, Callable]:
                                                                        "gemma", False)
     except Exception as exc:
         print(f"liger fused add unavailable: {exc}", file=sys.stderr)
+    try:
+        from flashinfer.norm import gemma_fused_add_rmsnorm
+
+        def flashinfer_fused(x, r):  # in place: r becomes the sum, x the output
+            gemma_fused_add_rmsnorm(x, r, m.weight, EPS)
+            return x, r
+
+        out[FLASHINFER] = flashinfer_fused
+    except Exception as exc:
+        print(f"flashinfer fused add unavailable: {exc}", file=sys.stderr)
     for name, mod in _ours():
         out[name] = lambda x, r, mod=mod: mod.fused_add_rms_norm(
             x, r, m.weight, eps=EPS, offset=1.0, residual_sum="rounded")
@@ -244,6 +261,13 @@ def peers_gated(weight: torch.Tensor) -> dict[str, Callable]:
         out[name + " (vllm)"] = lambda x, z, mod=mod: mod.rms_norm_gated(
             x, z, m.weight, eps=EPS, convention="vllm")
     return out
+
+
+#: FlashInfer's peer name: forward only (it has no backward); its fused add works in place
+#: and normalises the fp32 sum (the others here the rounded one), the same bytes moved.
+FLASHINFER = "flashinfer"
+#: Peers timed forward only.
+FORWARD_ONLY = frozenset({FLASHINFER})
 
 
 def _wanted(name: str) -> bool:
@@ -366,7 +390,7 @@ def time_case(kind: str, rows: int, hidden: int, bw: float, quick: bool,
                 return time_call(lambda: fn(*ins), rep)
 
         jobs[(name, "forward")] = forward
-        if not quick or rows >= 4096:
+        if name not in FORWARD_ONLY and (not quick or rows >= 4096):
             jobs[(name, "backward")] = _backward_job(fn, ins, rep)
     rows_out[SAME_BYTES] = {"kind": kind, "shape": [rows, hidden], "backend": SAME_BYTES}
     jobs[(SAME_BYTES, "forward")] = _copy_job(fwd_bytes, device, rep)
