@@ -1,4 +1,4 @@
-"""The provider divergence matrix (normspec.compare) on the CPU."""
+"""The provider divergence matrix (normspec.divergence, ``normspec compare``) on the CPU."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from normspec import registry
-from normspec.compare import (
-    compare,
+from normspec.cli import main
+from normspec.divergence import (
+    PairStats,
+    accumulate_pair,
+    divergence_matrix,
     format_matrix,
-    main_compare,
     parse_params,
     write_heatmap,
 )
@@ -68,8 +70,8 @@ def extra_backends():
 
 
 def test_matrix_shape_diagonal_and_symmetry():
-    r = compare("rms_norm", "cpu_fp32", backends=["reference", "transformers"], seeds=2,
-                shapes=SHAPES)
+    r = divergence_matrix("rms_norm", "cpu_fp32", backends=["reference", "transformers"], seeds=2,
+                          shapes=SHAPES)
     assert r["kind"] == "normspec.divergence"
     assert r["labels"] == ["reference", "transformers"]
     assert r["params"] == {"offset": 1.0}
@@ -88,8 +90,8 @@ def test_matrix_shape_diagonal_and_symmetry():
 
 
 def test_free_conventions_split_the_reference():
-    r = compare("fused_add_rms_norm", "cpu_bf16", backends=["reference", "transformers"],
-                seeds=2, shapes=[(8, 256)])
+    r = divergence_matrix("fused_add_rms_norm", "cpu_bf16", backends=["reference", "transformers"],
+                          seeds=2, shapes=[(8, 256)])
     labels = r["labels"]
     assert labels == ["reference[residual_sum=fp32]", "reference[residual_sum=rounded]",
                       "transformers"]
@@ -102,16 +104,16 @@ def test_free_conventions_split_the_reference():
 
 
 def test_fixed_params_skip_backends_that_do_not_support_them():
-    r = compare("fused_add_rms_norm", "cpu_bf16", backends=["reference", "transformers"],
-                seeds=1, shapes=[(4, 32)], params={"residual_sum": "fp32"})
+    r = divergence_matrix("fused_add_rms_norm", "cpu_bf16", backends=["reference", "transformers"],
+                          seeds=1, shapes=[(4, 32)], params={"residual_sum": "fp32"})
     assert r["labels"] == ["reference"]
     assert "residual_sum='fp32' not supported" in r["skipped"]["transformers"]
 
 
 def test_differing_seeds_and_ulps_are_counted(extra_backends):
     extra_backends(_Perturbed())
-    r = compare("rms_norm", "cpu_fp32", backends=["reference", "perturbed-test"], seeds=3,
-                shapes=SHAPES)
+    r = divergence_matrix("rms_norm", "cpu_fp32", backends=["reference", "perturbed-test"], seeds=3,
+                          shapes=SHAPES)
     m = r["matrices"]["y"]
     assert m["differing_seeds"][0][1] == 2  # seeds 1 and 2, never seed 0
     assert m["differing_cases"][0][1] == 2
@@ -124,29 +126,30 @@ def test_differing_seeds_and_ulps_are_counted(extra_backends):
 
 def test_crashing_backend_is_reported_not_compared(extra_backends):
     extra_backends(_Crashing())
-    r = compare("rms_norm", "cpu_fp32", backends=["reference", "crashing-test"], seeds=1,
-                shapes=SHAPES)
+    r = divergence_matrix("rms_norm", "cpu_fp32", backends=["reference", "crashing-test"], seeds=1,
+                          shapes=SHAPES)
     assert r["labels"] == ["reference"]
     assert "RuntimeError: boom" in r["failed"]["crashing-test"]
 
 
 @pytest.mark.skipif(not _has("textbook"), reason="example plugin not installed")
 def test_textbook_plugin_joins_the_matrix():
-    r = compare("rms_norm", "cpu_bf16", backends=["reference", "transformers", "textbook"],
-                seeds=1, shapes=SHAPES)
+    r = divergence_matrix("rms_norm", "cpu_bf16",
+                          backends=["reference", "transformers", "textbook"], seeds=1,
+                          shapes=SHAPES)
     assert r["labels"] == ["reference", "transformers", "textbook"]
     assert r["matrices"]["y"]["equal_percent"][2][2] == 100.0
 
 
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="has no parameter 'nope'"):
-        compare("rms_norm", "cpu_fp32", backends=["reference"], params={"nope": 1})
+        divergence_matrix("rms_norm", "cpu_fp32", backends=["reference"], params={"nope": 1})
     with pytest.raises(ValueError, match="no rms_norm variant"):
-        compare("rms_norm", "cpu_fp32", backends=["reference"], params={"offset": 2.0})
+        divergence_matrix("rms_norm", "cpu_fp32", backends=["reference"], params={"offset": 2.0})
     with pytest.raises(registry.UnknownBackendError, match="unknown backend"):
-        compare("rms_norm", "cpu_fp32", backends=["no-such-backend"])
+        divergence_matrix("rms_norm", "cpu_fp32", backends=["no-such-backend"])
     with pytest.raises(ValueError, match="seeds"):
-        compare("rms_norm", "cpu_fp32", backends=["reference"], seeds=0)
+        divergence_matrix("rms_norm", "cpu_fp32", backends=["reference"], seeds=0)
 
 
 def test_parse_params():
@@ -158,8 +161,8 @@ def test_parse_params():
 
 def test_heatmap_png(tmp_path):
     pytest.importorskip("matplotlib")
-    r = compare("rms_norm_gated", "cpu_bf16", backends=["reference", "transformers"], seeds=1,
-                shapes=[(4, 16)])
+    r = divergence_matrix("rms_norm_gated", "cpu_bf16", backends=["reference", "transformers"],
+                          seeds=1, shapes=[(4, 16)])
     path = write_heatmap(r, tmp_path / "m.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -167,22 +170,21 @@ def test_heatmap_png(tmp_path):
 def test_cli_entry_writes_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     j, p = tmp_path / "m.json", tmp_path / "m.png"
-    rc = main_compare(["--op", "rms_norm", "--profile", "cpu_fp32", "--backend", "reference",
-                       "--backend", "transformers", "--seeds", "1", "--quick",
-                       "--params", "offset=1", "--json", str(j), "--png", str(p)])
+    rc = main(["compare", "--op", "rms_norm", "--profile", "cpu_fp32", "--backend", "reference",
+               "--backend", "transformers", "--seeds", "1", "--quick",
+               "--params", "offset=1", "--json", str(j), "--png", str(p)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "% bitwise equal" in out and "transformers" in out
     assert json.loads(j.read_text())["labels"] == ["reference", "transformers"]
     assert p.stat().st_size > 0
-    assert main_compare(["--op", "rms_norm", "--profile", "cpu_fp32", "--backend", "nope"]) == 2
+    assert main(["compare", "--op", "rms_norm", "--profile", "cpu_fp32",
+                 "--backend", "nope"]) == 2
 
 
 def test_a_signed_zero_counts_as_a_difference_in_the_matrix():
-    from normspec.compare import _accumulate, _PairStats
-
-    st = _PairStats()
+    st = PairStats()
     a = torch.tensor([-0.0, 1.0, math.nan], dtype=torch.bfloat16)
-    _accumulate(st, a + 0.0, a, seed=3)  # only the zero's sign changes
+    accumulate_pair(st, a + 0.0, a, seed=3)  # only the zero's sign changes
     assert (st.numel, st.equal, st.max_ulp, st.max_abs) == (3, 2, 0, 0.0)
     assert st.seeds == {3} and st.cases_differ == 1

@@ -1,6 +1,6 @@
 """Provider divergence matrix: every backend against every other on the same inputs.
 
-[`compare`][normspec.compare.compare] runs each available backend that
+[`divergence_matrix`][normspec.divergence.divergence_matrix] runs each available backend that
 supports an operator (and the requested parameters) on identical inputs —
 every shape of the profile, every weight dtype, several seeds — and builds,
 for each output tensor, the pairwise matrix of
@@ -20,18 +20,16 @@ runs under each value it supports, so the spec appears once per convention
 (``reference[residual_sum=fp32]``, ``reference[residual_sum=rounded]``) and
 the matrix shows which convention each library follows. Parameters that
 change the function itself are fixed by default to the Qwen3-Next choice
-([`SEMANTIC_DEFAULTS`][normspec.compare.SEMANTIC_DEFAULTS]) and can be set
+([`SEMANTIC_DEFAULTS`][normspec.divergence.SEMANTIC_DEFAULTS]) and can be set
 with ``params``.
 
-The result is a JSON-ready dictionary; [`write_heatmap`][normspec.compare.write_heatmap]
+The result is a JSON-ready dictionary; [`write_heatmap`][normspec.divergence.write_heatmap]
 draws the % bitwise-equal matrix as a PNG (matplotlib, imported lazily).
 The command line is ``normspec compare --op O --profile P``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import traceback
 from collections.abc import Mapping, Sequence
@@ -51,12 +49,11 @@ from .report import environment
 __all__ = [
     "KIND",
     "SEMANTIC_DEFAULTS",
-    "add_compare_parser",
-    "compare",
+    "PairStats",
+    "accumulate_pair",
+    "divergence_matrix",
     "format_matrix",
-    "main_compare",
     "parse_params",
-    "run_compare_command",
     "write_heatmap",
 ]
 
@@ -83,7 +80,7 @@ class _Participant:
 
 
 @dataclass
-class _PairStats:
+class PairStats:
     numel: int = 0
     equal: int = 0
     max_abs: float = 0.0
@@ -145,7 +142,7 @@ def _participants(
     return parts, skipped
 
 
-def _accumulate(st: _PairStats, a: torch.Tensor, b: torch.Tensor, seed: int) -> None:
+def accumulate_pair(st: PairStats, a: torch.Tensor, b: torch.Tensor, seed: int) -> None:
     a, b = a.detach().cpu(), b.detach().cpu()
     st.cases += 1
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -175,7 +172,7 @@ def _accumulate(st: _PairStats, a: torch.Tensor, b: torch.Tensor, seed: int) -> 
         st.cases_differ += 1
 
 
-def compare(
+def divergence_matrix(
     op: str,
     profile: str | Profile,
     backends: Sequence[str] | None = None,
@@ -195,7 +192,7 @@ def compare(
             are listed under ``skipped`` with the reason.
         seeds: number of seeds (``0 .. seeds-1``).
         params: variant parameters to fix; merged over
-            [`SEMANTIC_DEFAULTS`][normspec.compare.SEMANTIC_DEFAULTS]. Parameters
+            [`SEMANTIC_DEFAULTS`][normspec.divergence.SEMANTIC_DEFAULTS]. Parameters
             left free give one participant per supported value.
         shapes: ``(rows, H)`` shapes (default: the profile's shapes for ``op``).
         quick: use the profile's quick shapes when ``shapes`` is not given.
@@ -250,13 +247,13 @@ def compare(
     matrices: dict[str, dict[str, list[list[Any]]]] = {}
     n = len(parts)
     for t, tensor in enumerate(opdef.outputs):
-        stats = [[_PairStats() for _ in range(n)] for _ in range(n)]
+        stats = [[PairStats() for _ in range(n)] for _ in range(n)]
         for i in range(n):
             for j in range(n):
                 for c, (_shape, _wdt, seed) in enumerate(cases):
                     a, b = parts[i].outputs[c], parts[j].outputs[c]
                     if a is not None and b is not None:
-                        _accumulate(stats[i][j], a[t], b[t], seed)
+                        accumulate_pair(stats[i][j], a[t], b[t], seed)
         matrices[tensor] = {
             "equal_percent": [[(100.0 * s.equal / s.numel if s.numel else None) for s in row]
                               for row in stats],
@@ -384,57 +381,3 @@ def parse_params(items: Sequence[str] | None) -> dict[str, Any]:
         except ValueError:
             out[key.strip()] = value.strip()
     return out
-
-
-def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``compare`` sub-command to ``normspec``'s sub-parsers."""
-    from .ops import OPS
-    from .profiles import PROFILES
-
-    c = subparsers.add_parser("compare", help="pairwise divergence matrix of every backend")
-    c.add_argument("--op", required=True, choices=sorted(OPS))
-    c.add_argument("--profile", required=True, choices=sorted(PROFILES))
-    c.add_argument("--params", nargs="*", default=[], metavar="K=V",
-                   help="fix variant parameters, e.g. residual_sum=fp32 offset=1")
-    c.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
-    c.add_argument("--seeds", type=int, default=3)
-    c.add_argument("--quick", action="store_true", help="the profile's quick shapes")
-    c.add_argument("--json", help="write the matrix JSON here")
-    c.add_argument("--png", help="write the %% bitwise-equal heatmap here")
-    return c
-
-
-def run_compare_command(args: argparse.Namespace, console: Any = None) -> int:
-    """Handler of ``normspec compare``: print the matrix, write JSON / PNG."""
-    result = compare(args.op, args.profile, backends=args.backend, seeds=args.seeds,
-                     params=parse_params(args.params), quick=args.quick)
-    text = format_matrix(result)
-    if console is not None:
-        console.print(text, markup=False, highlight=False, soft_wrap=True)
-    else:
-        print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.png:
-        write_heatmap(result, args.png)
-    return 0
-
-
-def main_compare(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m normspec.compare --op O --profile P ...``."""
-    parser = argparse.ArgumentParser(prog="normspec compare")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_compare_parser(sub)
-    args = parser.parse_args(["compare", *(argv or [])])
-    try:
-        return run_compare_command(args)
-    except (registry.UnknownBackendError, ValueError) as exc:
-        print(f"error: {exc}")
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    sys.exit(main_compare(sys.argv[1:]))
