@@ -45,6 +45,7 @@ __all__ = [
     "cast",
     "div",
     "exp_fp32",
+    "f32",
     "next_power_of_two",
     "rstd_from_sum_of_squares",
     "sigmoid_fp32",
@@ -85,27 +86,10 @@ EXP_COEFFICIENTS = (
 EXP_MAX_ULP_ERROR = 1.2
 
 
-def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
-    """An fp32 0-d constant on ``like``'s device (never a Python double), made once per
-    value and device and kept: a CUDA constant costs a host-to-device copy that waits for
-    the stream, a dozen of them per ``exp_fp32``. Keyed by the value's exact form, so
-    ``-0.0`` and ``+0.0`` stay apart. Callers never write to it. Made outside inference
-    mode (an inference tensor could not be saved for a later backward). Only eager calls
-    on plain tensors use the kept ones: a tracer's fake or symbolic tensors get a constant
-    made in their mode (a kept real one would be refused there), which is not kept."""
-    eager = type(like) is torch.Tensor and not torch.compiler.is_compiling()
-    key = (float(value).hex(), like.device)
-    constant = _constants.get(key) if eager else None
-    if constant is None:
-        with torch.inference_mode(False):
-            constant = torch.tensor(value, dtype=F32, device=like.device)
-        if eager and type(constant) is torch.Tensor:
-            _constants[key] = constant
-    return constant
-
-
-#: ``_f32``'s constants by (``float.hex`` of the value, device)
-_constants: dict[tuple[str, torch.device], torch.Tensor] = {}
+def f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` rounded once to an fp32 0-d tensor on ``like``'s device (never a Python
+    double in the arithmetic); ``-0.0`` keeps its sign."""
+    return torch.full((), value, dtype=F32, device=like.device)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -166,7 +150,7 @@ def rstd_from_sum_of_squares(ss: torch.Tensor, hidden: int, eps: float) -> torch
     4. ``rstd = 1 / s``.
     """
     mean = div(ss, float(hidden))
-    v = mean + _f32(eps, ss)
+    v = mean + f32(eps, ss)
     return div(torch.ones_like(v), sqrt(v))
 
 
@@ -203,12 +187,12 @@ def exp_fp32(z: torch.Tensor) -> torch.Tensor:
     z = z.to(F32)
     nan = torch.isnan(z)
     zc = torch.where(nan, torch.zeros_like(z), z).clamp(-110.0, 100.0)
-    n = torch.round(zc * _f32(LOG2E, z))
-    r = (zc - n * _f32(LN2_HI, z)) - n * _f32(LN2_LO, z)
-    p = _f32(EXP_COEFFICIENTS[0], z).expand_as(r)
+    n = torch.round(zc * f32(LOG2E, z))
+    r = (zc - n * f32(LN2_HI, z)) - n * f32(LN2_LO, z)
+    p = f32(EXP_COEFFICIENTS[0], z).expand_as(r)
     for c in EXP_COEFFICIENTS[1:]:
-        p = p * r + _f32(c, z)
-    one = _f32(1.0, z)
+        p = p * r + f32(c, z)
+    one = f32(1.0, z)
     p = p * r + one
     p = p * r + one
     ni = n.to(torch.int32)
@@ -225,7 +209,7 @@ def sigmoid_fp32(z: torch.Tensor) -> torch.Tensor:
     """
     z = z.to(F32)
     e = exp_fp32(-z)
-    return div(torch.ones_like(z), _f32(1.0, z) + e)
+    return div(torch.ones_like(z), f32(1.0, z) + e)
 
 
 def silu_fp32(z: torch.Tensor) -> torch.Tensor:
@@ -238,13 +222,13 @@ def silu_fp32(z: torch.Tensor) -> torch.Tensor:
     """
     z = z.to(F32)
     e = exp_fp32(-z)
-    return div(z, _f32(1.0, z) + e)
+    return div(z, f32(1.0, z) + e)
 
 
 def sigmoid_grad_fp32(z: torch.Tensor) -> torch.Tensor:
     """Declared ``sigmoid'(z) = s · (1 − s)`` with ``s = sigmoid_fp32(z)``."""
     s = sigmoid_fp32(z)
-    return s * (_f32(1.0, s) - s)
+    return s * (f32(1.0, s) - s)
 
 
 def silu_grad_fp32(z: torch.Tensor) -> torch.Tensor:
@@ -255,7 +239,7 @@ def silu_grad_fp32(z: torch.Tensor) -> torch.Tensor:
     """
     z = z.to(F32)
     s = sigmoid_fp32(z)
-    one = _f32(1.0, s)
+    one = f32(1.0, s)
     return s * (one + z * (one - s))
 
 

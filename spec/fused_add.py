@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .rms_norm import _scale, normalize_backward, normalize_rows, row_tree
+from .rms_norm import normalize_backward, normalize_rows, row_tree, weight_scale
 from .validation import (
     RESIDUAL_SUMS,
     check_choice,
@@ -100,7 +100,7 @@ def fused_add_rms_norm(
     eps, offset, residual_sum = _check(x, residual, weight, eps, offset, residual_sum)
     s = _residual_sum(x, residual, residual_sum)
     shat, _ = normalize_rows(s, eps)
-    y = (shat * _scale(weight, offset)).to(x.dtype)
+    y = (shat * weight_scale(weight, offset)).to(x.dtype)
     return y, s.to(x.dtype)
 
 
@@ -132,7 +132,7 @@ def fused_add_rms_norm_backward(
     s = _residual_sum(x, residual, residual_sum)
     shat, rstd = normalize_rows(s, eps)
     dy32 = dy.to(F32)
-    dsn = normalize_backward(dy32 * _scale(weight, offset), shat, rstd)
+    dsn = normalize_backward(dy32 * weight_scale(weight, offset), shat, rstd)
     if residual_sum == "rounded":
         dsn = dsn.to(x.dtype).to(F32)
     ds = (dsn + dresidual_out.to(F32)).to(x.dtype)

@@ -54,11 +54,12 @@ __all__ = ["rms_norm", "rms_norm_backward"]
 F32 = torch.float32
 
 
-def _scale(weight: torch.Tensor, offset: float) -> torch.Tensor:
+def weight_scale(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """``offset + w`` in fp32 (``w`` alone for ``offset == 0``): the per-channel factor."""
     w32 = weight.to(F32)
     if offset == 0.0:
         return w32
-    return A._f32(offset, w32) + w32
+    return A.f32(offset, w32) + w32
 
 
 def normalize_rows(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +109,7 @@ def rms_norm(
     eps = check_eps(eps)
     offset = check_offset(offset)
     xhat, _ = normalize_rows(x.to(F32), eps)
-    return (xhat * _scale(weight, offset)).to(x.dtype)
+    return (xhat * weight_scale(weight, offset)).to(x.dtype)
 
 
 def rms_norm_backward(
@@ -131,7 +132,7 @@ def rms_norm_backward(
     offset = check_offset(offset)
     xhat, rstd = normalize_rows(x.to(F32), eps)
     dy32 = dy.to(F32)
-    dx = normalize_backward(dy32 * _scale(weight, offset), xhat, rstd)
+    dx = normalize_backward(dy32 * weight_scale(weight, offset), xhat, rstd)
     dweight = row_tree(dy32 * xhat)
     return dx.to(x.dtype), dweight.to(weight.dtype)
 
