@@ -122,7 +122,7 @@ def _repeat_module() -> Any:
 
 def _timing_protocol(timing: dict) -> str:
     """One line on what ran before each timed call (``bench/device_timing.py``): the
-    rankings of small cases depend on it (notes/perf.md §31, §32)."""
+    rankings of small cases depend on it (docs/design/kernels.md, "Current measurements")."""
     parts = [f"an L2 flush of {timing['flush_mib']} MiB"] if "flush_mib" in timing else []
     if timing.get("after_flush_kernels"):
         parts.append(f"{timing['after_flush_kernels']} no-op kernel(s)")
