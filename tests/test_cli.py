@@ -104,7 +104,7 @@ def test_conformance_first_lists_the_backends_it_was_given(tmp_path, capsys):
     assert re.search(r"│ missing-lib\s+│ unavailable: mylib is not installed", table)
     assert re.search(r"│ reference\s+│ available\s+│ normspec", table)
     assert "transformers" not in table  # only the backends asked for
-    assert "not run here: missing-lib: unavailable: mylib" in after  # the end says it again
+    assert "mylib" not in after  # said once, in the table
 
 
 def test_conformance_with_an_unknown_backend_names_the_installed_ones(tmp_path, capsys):

@@ -1,9 +1,10 @@
 """The ``normspec`` command line: ``list``, ``check``, ``conformance``, ``compare``, ``build``,
-``train-rollout``."""
+``train-rollout`` (``python -m normspec`` is the same)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import sys
@@ -11,11 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from . import divergence, harness, registry
+from . import __version__, divergence, harness, registry
 from .conformance import (
     default_device,
+    distance_table,
     not_run,
     parse_requirements,
     requirement_failures,
@@ -28,6 +31,32 @@ from .report import build_report
 from .workers import usable_cores, validate_jobs
 
 __all__ = ["main"]
+
+DESCRIPTION = """\
+Hold normalization kernels to normspec's declared-rounding specification.
+
+commands:
+  list           the backends found, whether each runs here (and why not), their ops
+  check          one backend, one op, one profile: levels, failing lines, a repro
+  conformance    every backend x op x profile; reports under --out (default: results/)
+  compare        divergence matrix: every backend against every other on the same inputs
+  build          compile the backends that compile code (torch extension, CuPy NVRTC)
+  train-rollout  transformers vs vLLM on one Qwen3-Next model, norms unpatched and patched
+
+levels, best first: exact (bits equal to the spec under every transform), invariant
+(not exact, but batch/chunk/padding/permutation/slice/layout/repeat invariant),
+accurate (within the contract tolerance), fails (outside it, or it raised)."""
+
+EPILOG = """\
+examples:
+  normspec list
+  normspec check --backend torch_ext --op rms_norm --profile cpu_bf16
+  normspec conformance --device cpu --quick --out /tmp/reports
+  normspec conformance --require torch_ext=exact          # a CI gate
+  normspec compare --op rms_norm --profile cpu_bf16 --png matrix.png
+
+exit status: 0 done (and every --require met); 1 a check failed, a --require was not
+met or a build failed; 2 a usage error, or nothing could be checked."""
 
 
 def _backends_table(names: Sequence[str] | None = None) -> Table:
@@ -43,8 +72,9 @@ def _backends_table(names: Sequence[str] | None = None) -> Table:
         backend = entry.load()
         ops = ", ".join(f"{k} ({v.backward})" for k, v in backend.ops.items()) if backend \
             else ""
-        table.add_row(entry.name, "[green]available[/]" if status is None else
-                      f"[yellow]{status}[/]", backend.source if backend else entry.origin, ops)
+        table.add_row(escape(entry.name), "[green]available[/]" if status is None else
+                      f"[yellow]{escape(status)}[/]",
+                      escape(backend.source if backend else entry.origin), escape(ops))
     return table
 
 
@@ -59,11 +89,14 @@ def _failed_lines(result: dict) -> list[str]:
 
 
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    backend = registry.get_backend(args.backend)
     profile = get_profile(args.profile)
+    _require_device(profile.device, "--profile")
+    json_path = _output_file(args.json, "--json")
+    backend = registry.get_backend(args.backend)
     reason = backend.available()
     if reason:
-        console.print(f"[yellow]{args.backend} is unavailable: {reason}[/]")
+        console.print(f"error: {args.backend} is unavailable here: {reason}", markup=False,
+                      highlight=False, soft_wrap=True)
         return 2
     result = harness.check(backend, args.op, profile, quick=args.quick, seeds=args.seeds)
     report = build_report(args.op, profile, {backend.name: result}, quick=args.quick,
@@ -72,26 +105,91 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
     level = result["level"]
     console.print(f"{backend.name} {args.op} {profile.name}: forward={level['forward']} "
                   f"gradient={level['gradient']}")
+    for line in distance_lines(result):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for line in _failed_lines(result):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for gate, outcome in result.get("contract_gates", {}).items():
         if outcome.get("repro"):
             console.print(f"# repro of the first failing {gate} case:", highlight=False)
             console.print(outcome["repro"], markup=False, highlight=False, soft_wrap=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if json_path is not None:
+        _write_json(json_path, report)
+    if level["forward"] == "unavailable":
+        console.print(f"error: nothing was checked: {result.get('unavailable')}",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 2
     return 1 if "fails" in level.values() else 0
+
+
+def distance_lines(result: dict) -> list[str]:
+    """One line per gate and output tensor: how far the backend is from the spec."""
+    lines = []
+    for gate, outcome in result.get("contract_gates", {}).items():
+        for tensor, st in outcome.get("statistics", {}).items():
+            equal = st.get("min_equal_fraction")
+            lines.append(
+                f"  {gate} {tensor}: "
+                + ("" if equal is None else f"{100 * equal:.2f} % bitwise equal, ")
+                + f"max ulp {st.get('max_ulp')}, max abs {_num(st.get('max_abs'))}, "
+                f"max rel {_num(st.get('max_rel'))}")
+    return lines
+
+
+def _num(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _require_device(device: str, what: str) -> None:
+    """A usage error, before any work, where ``device`` is CUDA and torch sees no GPU."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = "built without CUDA" if torch.version.cuda is None else \
+            f"built with CUDA {torch.version.cuda}, but it sees no GPU"
+        raise ValueError(f"{what}: needs a CUDA GPU; torch {torch.__version__} here is {built}")
+
+
+def _output_file(value: str | None, what: str) -> Path | None:
+    """``value`` as a file path to write at the end, checked now: not a directory, and no
+    part of its folder a file (missing folders are created when written)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{what}: expected a file path, got the directory {value!r}")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{what}: {str(parent)!r} is a file, not a directory")
+    return path
+
+
+def _output_dir(value: str, what: str) -> Path:
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what}: expected a directory, got the file {value!r}")
+    _output_file(str(path / "x"), what)
+    return path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     device = args.device or default_device()
+    _require_device(device, "--device")
     required = parse_requirements(args.require or [])
+    out_dir = _output_dir(args.out, "--out")
     # what will run and why the others cannot (the statuses are kept: run_conformance's are
     # free); an unknown --backend raises here, before the table, naming the installed ones
     console.print(_backends_table(args.backend))
     reports = run_conformance(device=device, quick=args.quick, backends=args.backend,
                               ops=args.op, profiles=args.profile, seeds=args.seeds,
-                              out_dir=Path(args.out), command=_command(), console=console,
+                              out_dir=out_dir, command=_command(), console=console,
                               jobs=_jobs(args.jobs, device))
     # failing lines first (up to 5 per report and backend), the summary table last
     for r in reports:
@@ -100,21 +198,26 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
                 console.print(f"{r['profile']} {name}: {line}", markup=False, highlight=False,
                               soft_wrap=True)
     console.print(summary_table(reports))
-    for name, reason in not_run(reports).items():
-        console.print(f"not run here: {name}: {reason}", highlight=False, soft_wrap=True)
+    distances = distance_table(reports)
+    if distances.row_count:
+        console.print(distances)
     console.print(f"reports written under {args.out}/")
     problems = requirement_failures(reports, required)
     for line in problems:
-        console.print(f"[red]FAILED[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[red]FAILED[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if not any(res["level"]["forward"] != "unavailable"
+               for r in reports for res in r["results"].values()):
+        reasons = "; ".join(f"{n}: {why}" for n, why in not_run(reports).items())
+        console.print(f"error: nothing was checked ({reasons or 'no backend selected'})",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 1 if problems else 2
     return 1 if problems else 0
 
 
 def _jobs(jobs: int | None, device: str) -> int:
     """``--jobs``, by default 1 on the CPU (torch's threads use its cores already) and on CUDA
     one per two cores, at most 8 (each worker also compiles and autotunes triton kernels on
-    the CPU). On the H200's 16-core host the full CUDA run took 535 s with 4 jobs, the first
-    build (about 150 s) included, and 313-322 s after the build with 8, during which the GPU,
-    time-sliced between the workers' contexts, was busy throughout (notes/perf.md §52, §53)."""
+    the CPU; on a 16-core host eight keep the GPU busy throughout)."""
     if jobs is not None:
         return validate_jobs(jobs)
     if device == "cpu":
@@ -182,16 +285,21 @@ def _cmd_train_rollout(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    _require_device(get_profile(args.profile).device, "--profile")
+    json_path = _output_file(args.json, "--json")
+    png_path = _output_file(args.png, "--png")
+    if png_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--png: needs matplotlib (pip install matplotlib)")
     result = divergence.divergence_matrix(
         args.op, args.profile, backends=args.backend, seeds=args.seeds,
         params=divergence.parse_params(args.params), quick=args.quick)
     console.print(divergence.format_matrix(result), markup=False, highlight=False,
                   soft_wrap=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.png:
-        divergence.write_heatmap(result, args.png)
+    if json_path is not None:
+        _write_json(json_path, result)
+    if png_path is not None:
+        png_path.parent.mkdir(parents=True, exist_ok=True)
+        divergence.write_heatmap(result, png_path)
     return 0
 
 
@@ -199,27 +307,69 @@ def _command() -> str:
     return "normspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _version() -> str:
+    import platform
+
+    import torch
+
+    return (f"normspec {__version__} (torch {torch.__version__}, "
+            f"python {platform.python_version()})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, with torch imported only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        print(_version())
+        parser.exit()
+
+
+BACKEND_HELP = "a backend's entry-point name, as `normspec list` shows it"
+OP_HELP = "the operator"
+PROFILE_HELP = "device, dtype and shapes of the inputs (cpu_* or cuda_*)"
+SEEDS_HELP = "random inputs per shape (default 2, with --quick 1)"
+QUICK_HELP = "fewer shapes and one seed"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="normspec", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="normspec", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_VersionAction)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("list", help="backends, availability with reason, ops, backward support")
     c = sub.add_parser("check", help="check one backend's op on one profile")
-    c.add_argument("--backend", required=True)
-    c.add_argument("--op", required=True, choices=sorted(OPS))
-    c.add_argument("--profile", required=True, choices=sorted(PROFILES))
-    c.add_argument("--seeds", type=int, default=None, help="number of seeds (default 2, quick 1)")
-    c.add_argument("--quick", action="store_true", help="fewer shapes and one seed")
-    c.add_argument("--json", help="write the report here")
+    c.add_argument("--backend", required=True, help=BACKEND_HELP)
+    c.add_argument("--op", required=True, choices=sorted(OPS), help=OP_HELP)
+    c.add_argument("--profile", required=True, choices=sorted(PROFILES), help=PROFILE_HELP)
+    c.add_argument("--seeds", type=_positive_int, default=None, help=SEEDS_HELP)
+    c.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    c.add_argument("--json", help="also write the report here")
     k = sub.add_parser("conformance", help="every available backend × op × profile")
     k.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when torch sees a GPU, else cpu")
-    k.add_argument("--quick", action="store_true")
-    k.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
+    k.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    k.add_argument("--backend", action="append",
+                   help=BACKEND_HELP + "; restricts the run (repeatable)")
     k.add_argument("--op", action="append", choices=sorted(OPS), help="restrict to these ops")
     k.add_argument("--profile", action="append", choices=sorted(PROFILES),
                    help="restrict to these profiles (default: every profile of the device)")
-    k.add_argument("--seeds", type=int, default=None)
-    k.add_argument("--out", default="reports", help="report directory (default: reports)")
+    k.add_argument("--seeds", type=_positive_int, default=None, help=SEEDS_HELP)
+    k.add_argument("--out", default="results",
+                   help="report directory (default: results/, which git ignores; the "
+                        "repository's published evidence is written with --out reports)")
     k.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="run the checks in N worker processes side by side (default: 1 on "
                         "cpu; on cuda one per two cores, at most 8), the longest first "
@@ -232,12 +382,13 @@ def _parser() -> argparse.ArgumentParser:
                         "accurate) in every report, forward and gradient (repeatable)")
     d = sub.add_parser("compare", help="divergence matrix: every backend against every other "
                                        "on the same inputs")
-    d.add_argument("--op", required=True, choices=sorted(OPS))
-    d.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    d.add_argument("--op", required=True, choices=sorted(OPS), help=OP_HELP)
+    d.add_argument("--profile", required=True, choices=sorted(PROFILES), help=PROFILE_HELP)
     d.add_argument("--params", nargs="*", default=[], metavar="K=V",
                    help="fix variant parameters, e.g. residual_sum=fp32 offset=1")
     d.add_argument("--backend", action="append", help="restrict to these backends (repeatable)")
-    d.add_argument("--seeds", type=int, default=3)
+    d.add_argument("--seeds", type=_positive_int, default=3,
+                   help="random inputs per shape (default 3)")
     d.add_argument("--quick", action="store_true", help="the profile's quick shapes")
     d.add_argument("--json", help="write the matrix JSON here")
     d.add_argument("--png", help="write the %% bitwise-equal heatmap here")
@@ -252,8 +403,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the declared conventions both sides use (transformers can only "
                         "honour 'trainer')")
     t.add_argument("--backend", default="torch_ext", choices=("torch_ext", "cupy"))
-    t.add_argument("--sequences", type=int, default=4, help="token sequences (default 4)")
-    t.add_argument("--length", type=int, default=32, help="tokens per sequence (default 32)")
+    t.add_argument("--sequences", type=_positive_int, default=4,
+                   help="token sequences (default 4)")
+    t.add_argument("--length", type=_positive_int, default=32,
+                   help="tokens per sequence (default 32)")
     t.add_argument("--max-tokens", type=int, default=4,
                    help="decode steps vLLM generates after each prompt (default 4)")
     t.add_argument("--train", type=int, default=3,

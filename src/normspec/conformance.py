@@ -22,6 +22,7 @@ from .workers import Task, check_in_workers, longest_first, validate_jobs
 
 __all__ = [
     "default_device",
+    "distance_table",
     "not_run",
     "parse_requirements",
     "previous_seconds",
@@ -226,6 +227,30 @@ def summary_table(reports: list[dict[str, Any]]) -> Table:
             else:
                 cells.append(f"[{LEVEL_STYLE[f]}]{f}[/] / [{LEVEL_STYLE.get(g, '')}]{g}[/]")
         table.add_row(b, *cells)
+    return table
+
+
+def distance_table(reports: list[dict[str, Any]]) -> Table:
+    """How far each backend that is not exact is from the spec: per report, gate and output,
+    the least fraction of bitwise-equal elements over the cases, the largest ulp distance
+    and the largest relative difference (the tolerance judges max abs and max rel; a large
+    ulp count next to "accurate" comes from elements near zero)."""
+    table = Table(title="distance from the spec (backends not exact)")
+    for col in ("backend", "profile", "op", "output", "bitwise equal", "max ulp", "max rel"):
+        table.add_column(col)
+    for r in reports:
+        for name, res in sorted(r["results"].items()):
+            if res["level"]["forward"] in ("unavailable", "exact") and \
+                    res["level"]["gradient"] in ("unavailable", "exact", "none"):
+                continue
+            for gate, outcome in res.get("contract_gates", {}).items():
+                for tensor, st in outcome.get("statistics", {}).items():
+                    equal = st.get("min_equal_fraction")
+                    rel = st.get("max_rel")
+                    table.add_row(name, r["profile"], r["op"], f"{gate} {tensor}",
+                                  "" if equal is None else f"{100 * equal:.2f} %",
+                                  str(st.get("max_ulp")),
+                                  f"{rel:.3g}" if isinstance(rel, float) else str(rel))
     return table
 
 

@@ -30,9 +30,10 @@ from .gates import Comparison, compare, identical, level_of
 from .ops import OpDef, Sample, get_op, variant_name
 from .profiles import Profile
 from .registry import Backend
+from .repro import repro_snippet
 from .transforms import TRANSFORMS, RowFunction
 
-__all__ = ["Case", "GateResult", "check", "iter_cases", "repro_snippet"]
+__all__ = ["BackendOutputError", "Case", "GateResult", "check", "check_outputs", "iter_cases"]
 
 MAX_LINES = 200
 
@@ -63,9 +64,9 @@ class GateResult:
     mismatch_lines: list[str] = field(default_factory=list)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     ran: int = 0
-    #: Python that rebuilds the inputs of the case being checked.
-    current_repro: str = ""
-    #: ``current_repro`` of the first case that failed this gate.
+    #: The repro snippet of the case being checked, for a failing transform (or ``None``).
+    repro_for: Callable[[str | None], str] | None = field(default=None, repr=False)
+    #: The repro snippet of the first failure of this gate.
     repro: str | None = None
 
     @property
@@ -79,9 +80,9 @@ class GateResult:
     def passed(self) -> bool:
         return self.level in ("exact", "invariant")
 
-    def fail(self, line: str) -> None:
-        if self.repro is None:
-            self.repro = self.current_repro
+    def fail(self, line: str, transform: str | None = None) -> None:
+        if self.repro is None and self.repro_for is not None:
+            self.repro = self.repro_for(transform)
         if len(self.failed_lines) < MAX_LINES:
             self.failed_lines.append(line)
 
@@ -105,10 +106,11 @@ class GateResult:
             self.within = False
             self.fail(line)
 
-    def crash(self, label: str, stage: str, exc: BaseException) -> None:
+    def crash(self, label: str, stage: str, exc: BaseException,
+              transform: str | None = None) -> None:
         self.crashed = True
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        self.fail(f"crash case={label} stage={stage} error={last}")
+        self.fail(f"crash case={label} stage={stage} error={last}", transform)
 
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "level": self.level, "failed_lines": self.failed_lines,
@@ -134,19 +136,40 @@ def iter_cases(
                     yield Case(dict(params), shape, wdt, seed)
 
 
-def repro_snippet(backend: Backend, op: OpDef, profile: Profile, case: Case) -> str:
-    """Python that rebuilds a case's inputs and runs the backend and the spec on them."""
-    wdtype = "torch.float32" if case.weight_dtype == "fp32" else f"torch.{profile.dtype_name}"
-    return "\n".join([
-        "import torch, normspec",
-        f"op = normspec.get_op({op.name!r})",
-        f"s = op.make_sample({tuple(case.shape)!r}, torch.{profile.dtype_name}, "
-        f"params={case.params!r}, seed={case.seed}, weight_dtype={wdtype}, "
-        f"device={profile.device!r})",
-        f"got = normspec.get_backend({backend.name!r}).forward(op.name, s.rows, s.weight, "
-        "eps=s.eps, **s.params)",
-        "want = op.spec_forward(s)",
-    ])
+class BackendOutputError(ValueError):
+    """A backend returned the wrong number of outputs, or one of the wrong kind, shape,
+    dtype or device, or wrote to its inputs."""
+
+
+def check_outputs(backend_name: str, op: OpDef, out: object, x: torch.Tensor) -> list:
+    """``out`` as a list, or ``BackendOutputError`` naming the backend, the op, the output
+    and what was expected: a tuple of ``len(op.outputs)`` tensors of ``x``'s shape, dtype
+    and device (a 1-tuple for one output)."""
+    where = f"backend {backend_name!r}, op {op.name}"
+    if not isinstance(out, tuple | list):
+        raise BackendOutputError(f"{where}: expected a tuple of {len(op.outputs)} tensor(s) "
+                                 f"{op.outputs}, got {type(out).__name__}")
+    if len(out) != len(op.outputs):
+        raise BackendOutputError(f"{where}: expected {len(op.outputs)} output(s) "
+                                 f"{op.outputs}, got {len(out)}")
+    for name, t in zip(op.outputs, out, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise BackendOutputError(f"{where}: output {name}: expected a tensor, "
+                                     f"got {type(t).__name__}")
+        for what, got, want in (("shape", tuple(t.shape), tuple(x.shape)),
+                                ("dtype", t.dtype, x.dtype), ("device", t.device, x.device)):
+            if got != want:
+                raise BackendOutputError(f"{where}: output {name}: expected {what} {want} "
+                                         f"(the input x's), got {got}")
+    return list(out)
+
+
+def _unchanged(backend_name: str, op: OpDef, before: dict[str, torch.Tensor],
+               after: dict[str, torch.Tensor]) -> None:
+    for name, copy in before.items():
+        if not identical(after[name], copy):
+            raise BackendOutputError(f"backend {backend_name!r}, op {op.name}: input {name} "
+                                     "was modified (a backend must not write to its inputs)")
 
 
 def _sample(op: OpDef, profile: Profile, case: Case) -> Sample:
@@ -157,9 +180,13 @@ def _sample(op: OpDef, profile: Profile, case: Case) -> Sample:
 
 def _forward_fn(backend: Backend, op: OpDef, sample: Sample) -> RowFunction:
     def f(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = {**dict(zip(op.row_inputs, rows, strict=True)), "weight": sample.weight}
+        before = {name: t.clone() for name, t in inputs.items()}
         with torch.no_grad():
             out = backend.forward(op.name, dict(zip(op.row_inputs, rows, strict=True)),
                                   sample.weight, eps=sample.eps, **sample.params)
+        out = check_outputs(backend.name, op, out, rows[0])
+        _unchanged(backend.name, op, before, inputs)
         return [o.detach() for o in out]
     return f
 
@@ -176,6 +203,7 @@ def _grad_fn(
         weight = sample.weight.detach().clone().requires_grad_(with_weight)
         outs = backend.forward(op.name, dict(zip(op.row_inputs, rows, strict=True)), weight,
                                eps=sample.eps, **sample.params)
+        outs = check_outputs(backend.name, op, outs, rows[0])
         wrt = [*rows, weight] if with_weight else rows
         grads = torch.autograd.grad(outs, wrt, inputs[k:], allow_unused=True)
         return [torch.zeros_like(w) if gr is None else gr for gr, w in zip(grads, wrt,
@@ -191,7 +219,7 @@ def _invariance(
         try:
             idx, outs = t.apply(fn, inputs, torch.Generator().manual_seed(17))
         except Exception as exc:
-            gate.crash(label, f"invariance/{t.name}", exc)
+            gate.crash(label, f"invariance/{t.name}", exc, t.name)
             continue
         for name, ref, out in zip(names, reference, outs, strict=True):
             want = ref[idx]
@@ -203,13 +231,16 @@ def _invariance(
                 gate.invariant = False
                 gate.fail(f"invariance pair=('{backend_name}/full', '{backend_name}/{t.name}') "
                           f"tensor={name} transform={t.name} case={label} "
-                          f"{_differences(c)} passed=False")
+                          f"{_differences(c)} passed=False", t.name)
 
 
 def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: GateResult,
                 grad: GateResult, backward: str) -> None:
     label = op.name + case.label(profile)
-    fwd.current_repro = grad.current_repro = repro_snippet(backend, op, profile, case)
+    with_weight = backward == "full"
+    fwd.repro_for = lambda t: repro_snippet(backend.name, op, profile, case, "forward", t)
+    grad.repro_for = lambda t: repro_snippet(backend.name, op, profile, case, "gradient", t,
+                                             with_weight)
     sample = _sample(op, profile, case)
     rows = sample.row_list(op)
     f = _forward_fn(backend, op, sample)
@@ -223,7 +254,6 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
     _invariance(fwd, f, rows, full, op.outputs, label, backend.name)
     if backward == "none":
         return
-    with_weight = backward == "full"
     gen = torch.Generator().manual_seed(case.seed + 1000)
     douts = [torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device) for o in full]
     g = _grad_fn(backend, op, sample, with_weight)
@@ -252,7 +282,7 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
             grad.invariant = False
             grad.fail(f"invariance pair=('{backend.name}/batch', 'spec/row_tree(singletons)') "
                       f"tensor=dweight transform=singleton_aggregation case={label} "
-                      f"{_differences(c)} passed=False")
+                      f"{_differences(c)} passed=False", "singleton_aggregation")
 
 
 def check(
@@ -289,7 +319,10 @@ def check(
         if why:
             skipped[variant_name(case.params)] = why
         else:
-            _check_case(backend, op, profile, case, fwd, grad, support.backward)
+            try:
+                _check_case(backend, op, profile, case, fwd, grad, support.backward)
+            except Exception as exc:  # whatever a backend did, the others still run
+                fwd.crash(op.name + case.label(profile), "harness", exc)
         if on_case:
             on_case(case)
     if fwd.ran == 0 and not fwd.crashed:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,10 +38,13 @@ from .progress import say
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "PLUGIN_LIMIT_S",
     "Backend",
     "BackendEntry",
     "OpSupport",
     "UnknownBackendError",
+    "call_limited",
+    "check_registration",
     "entries",
     "get_backend",
     "installed_version",
@@ -185,21 +189,27 @@ class BackendEntry:
     _error: str | None = None
 
     def load(self) -> Backend | None:
-        """Import the backend; on failure remember the error and return ``None``."""
+        """Import the backend; on failure remember the error and return ``None``.
+
+        The entry point's name is the backend's identity: a plugin object that calls
+        itself something else is renamed (a plugin cannot pose as another backend)."""
         if self._backend is None and self._error is None and self._entry_point is not None:
+            ep = self._entry_point
             try:
-                obj = self._entry_point.load()
+                obj = call_limited(ep.load, f"importing {ep.value!r}")
                 backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
                 if not isinstance(backend, Backend):
                     raise TypeError(
-                        f"entry point {self._entry_point.value!r} gave "
+                        f"entry point {ep.value!r} gave "
                         f"{type(backend).__name__}, expected a normspec.registry.Backend"
                     )
-                backend.name = backend.name or self.name
+                backend.name = self.name
+                check_registration(backend)
                 self._backend = backend
-            except Exception as exc:  # a broken plugin must never break discovery
+            # a broken plugin must never break discovery, not even by exiting
+            except (Exception, SystemExit) as exc:
                 last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                self._error = f"failed to load {self._entry_point.value!r}: {last}"
+                self._error = f"failed to load {ep.value!r}: {last}"
         return self._backend
 
     @property
@@ -220,10 +230,65 @@ class BackendEntry:
         if backend is None:
             return f"broken: {self._error}"
         try:
-            reason = backend.available()
-        except Exception as exc:
-            return f"available() raised {type(exc).__name__}: {exc}"
+            reason = call_limited(backend.available, f"{self.name}: available()")
+        except (Exception, SystemExit) as exc:
+            return f"broken: available() raised {type(exc).__name__}: {exc}"
         return f"unavailable: {reason}" if reason else None
+
+
+#: Seconds a plugin's import or ``available()`` may take before it counts as broken;
+#: after ``PLUGIN_NOTICE_S`` a line says what is being waited for.
+PLUGIN_LIMIT_S = 300.0
+PLUGIN_NOTICE_S = 15.0
+
+
+def call_limited(fn: Any, what: str, limit: float | None = None) -> Any:
+    """``fn()``, in a daemon thread so that a plugin that hangs cannot stall the caller past
+    ``limit`` seconds (default [`PLUGIN_LIMIT_S`][normspec.registry.PLUGIN_LIMIT_S]):
+    then ``TimeoutError``. A line on stderr says what is waited for once it takes long.
+    ``fn``'s exception (``SystemExit`` included) is raised here."""
+    limit = PLUGIN_LIMIT_S if limit is None else limit
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"normspec {what}", daemon=True)
+    thread.start()
+    thread.join(min(PLUGIN_NOTICE_S, limit))
+    if thread.is_alive():
+        say(f"normspec: waiting for {what} (it has taken {PLUGIN_NOTICE_S:.0f} s; "
+            f"the limit is {limit:.0f} s)")
+        thread.join(max(0.0, limit - PLUGIN_NOTICE_S))
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {limit:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def check_registration(backend: Backend) -> None:
+    """Raise ``TypeError`` naming the backend and the field where its registration is
+    malformed: ``ops`` must map known op names to ``OpSupport``, ``source`` must be a
+    string."""
+    ops = backend.ops
+    if not isinstance(ops, Mapping):
+        raise TypeError(f"backend {backend.name!r}: ops: expected a mapping of op name to "
+                        f"OpSupport, got {type(ops).__name__}")
+    for op, support in ops.items():
+        if op not in OPS:
+            raise TypeError(f"backend {backend.name!r}: ops: unknown op {op!r}; "
+                            f"expected one of {sorted(OPS)}")
+        if not isinstance(support, OpSupport):
+            raise TypeError(f"backend {backend.name!r}: ops[{op!r}]: expected OpSupport, "
+                            f"got {type(support).__name__}")
+    source = backend.source
+    if not isinstance(source, str):
+        raise TypeError(f"backend {backend.name!r}: source: expected a string, got "
+                        f"{type(source).__name__}")
 
 
 _ENTRIES: dict[str, BackendEntry] | None = None
