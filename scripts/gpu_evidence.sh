@@ -47,7 +47,7 @@ for s in $stages; do
         $(xdist_workers) tests ;;
     conformance)  # every backend on every CUDA profile, in CONF_JOBS processes side by side
       run ${CONF_LIMIT:-540} conformance-cuda python3 -m nox -s conformance-cuda -- \
-        --jobs ${CONF_JOBS:-8} ${CONFORMANCE_ARGS:-} ;;
+        --out reports --jobs ${CONF_JOBS:-8} ${CONFORMANCE_ARGS:-} ;;
     compare)
       for op in rms_norm fused_add_rms_norm rms_norm_gated; do
         run 120 "compare-$op" normspec compare --op "$op" --profile cuda_bf16 \

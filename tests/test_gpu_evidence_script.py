@@ -71,10 +71,10 @@ def test_default_stages_are_tests_conformance_bench_and_compare(run_stage):
 def test_conformance_checks_every_cuda_profile_in_worker_processes(run_stage):
     lines, _ = run_stage("conformance")
     assert [ln for ln in lines if "conformance-cuda" in ln] == [
-        "python3 -m nox -s conformance-cuda -- --jobs 8"]
+        "python3 -m nox -s conformance-cuda -- --out reports --jobs 8"]
     lines, _ = run_stage("conformance", CONF_JOBS="3", CONFORMANCE_ARGS="--quick")
     assert [ln for ln in lines if "conformance-cuda" in ln][-1] == \
-        "python3 -m nox -s conformance-cuda -- --jobs 3 --quick"
+        "python3 -m nox -s conformance-cuda -- --out reports --jobs 3 --quick"
 
 
 def test_compare_writes_each_op_s_matrix_where_the_docs_read_it(run_stage):
