@@ -74,21 +74,34 @@ def check_weight(weight: object, x: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def as_fp32(value: float) -> float:
+    """``value`` rounded to fp32 (round to nearest, ties to even), as the kernels use it."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def check_eps(eps: object) -> float:
-    """``eps`` must be a finite real number ``> 0``."""
+    """``eps`` must be a real number that is finite and ``> 0`` in fp32, where it is used
+    (``1e-50`` rounds to 0 and ``1e300`` to inf there)."""
     if isinstance(eps, bool) or not isinstance(eps, int | float):
         raise TypeError(f"eps: expected a positive float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps: expected a finite value > 0, got {eps!r}")
+    rounded = as_fp32(eps)
+    if not math.isfinite(rounded) or rounded <= 0:
+        raise ValueError(f"eps: expected a value that is finite and > 0 in fp32, got {eps!r} "
+                         f"(it rounds to {rounded!r} in fp32)")
     return float(eps)
 
 
 def check_offset(offset: object) -> float:
-    """``offset`` must be a finite real number (0.0 or 1.0 in practice)."""
+    """``offset`` must be a real number that is finite in fp32 (0.0 or 1.0 in practice)."""
     if isinstance(offset, bool) or not isinstance(offset, int | float):
         raise TypeError(f"offset: expected a float, got {type(offset).__name__}")
     if not math.isfinite(offset):
         raise ValueError(f"offset: expected a finite value, got {offset!r}")
+    if not math.isfinite(as_fp32(offset)):
+        raise ValueError(f"offset: expected a value that is finite in fp32, got {offset!r} "
+                         "(it rounds to inf in fp32)")
     return float(offset)
 
 

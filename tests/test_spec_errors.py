@@ -25,6 +25,11 @@ W = torch.ones(8)
         (lambda: spec.rms_norm(X, W, eps=float("nan")), ValueError, ["eps", "nan"]),
         (lambda: spec.rms_norm(X, W, eps="1e-6"), TypeError, ["eps", "str"]),
         (lambda: spec.rms_norm(X, W, eps=1e-6, offset=float("inf")), ValueError, ["offset"]),
+        # used in fp32: eps must stay > 0 and finite there, offset finite
+        (lambda: spec.rms_norm(X, W, eps=1e-50), ValueError, ["eps", "1e-50", "0.0 in fp32"]),
+        (lambda: spec.rms_norm(X, W, eps=1e300), ValueError, ["eps", "inf in fp32"]),
+        (lambda: spec.rms_norm(X, W, eps=1e-6, offset=1e39), ValueError,
+         ["offset", "1e+39", "inf in fp32"]),
         (lambda: spec.fused_add_rms_norm(X, torch.randn(4, 9), torch.ones(9)[:8], eps=1e-6),
          ValueError, ["residual", "(4, 9)"]),
         (lambda: spec.fused_add_rms_norm(X, X.half(), W, eps=1e-6), TypeError,
@@ -58,3 +63,8 @@ def test_zero_rows_are_fine():
     y = spec.rms_norm(torch.empty(0, 8), W, eps=1e-6)
     dx, dw = spec.rms_norm_backward(torch.empty(0, 8), torch.empty(0, 8), W, eps=1e-6)
     assert y.shape == (0, 8) and dx.shape == (0, 8) and torch.equal(dw, torch.zeros(8))
+
+
+def test_the_smallest_fp32_eps_is_accepted():
+    y = spec.rms_norm(torch.zeros(2, 8), W, eps=1.4e-45)
+    assert torch.isfinite(y).all()
