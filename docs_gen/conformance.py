@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from normspec.profiles import PROFILES
+from normspec.report import KIND, ReportError, read_report
 
 __all__ = ["Report", "level_badge", "load_reports", "render_conformance", "render_overview"]
 
-KIND = "normspec.conformance"
 LEVELS = ("exact", "invariant", "accurate", "fails", "unavailable", "none")
 #: Failed lines shown per (backend, profile, gate) on the site; the JSON has them all.
 MAX_LINES = 12
@@ -38,16 +38,13 @@ class Report:
         return self.data.get("environment", {})
 
 
-class ReportError(ValueError):
-    """A file under ``reports/`` that should be a conformance report and is not."""
-
-
 def load_reports(directory: Path) -> list[Report]:
     """Every conformance report under ``directory/<profile>/*.json``, sorted by (op, profile).
 
-    JSON files of another ``kind`` (e.g. divergence matrices) are ignored; a file
-    that does not parse, or a conformance report missing a required key, raises
-    [`ReportError`][docs_gen.conformance.ReportError] naming the file.
+    JSON files of another ``kind`` (e.g. divergence matrices) are ignored; a file that
+    does not parse, a conformance report that does not follow the schema, or one filed
+    under another profile or op raises [`ReportError`][normspec.report.ReportError]
+    naming the file ([`read_report`][normspec.report.read_report]).
     """
     found: list[Report] = []
     if not directory.is_dir():
@@ -60,10 +57,7 @@ def load_reports(directory: Path) -> list[Report]:
             raise ReportError(f"{path}: not valid JSON: {exc}") from None
         if not isinstance(data, dict) or data.get("kind") != KIND:
             continue
-        missing = [k for k in ("op", "profile", "environment", "results") if k not in data]
-        if missing:
-            raise ReportError(f"{path}: conformance report without {missing}")
-        found.append(Report(path, data))
+        found.append(Report(path, read_report(path)))
     found.sort(key=lambda r: (r.op, order.get(r.profile, len(order)), r.profile))
     return found
 

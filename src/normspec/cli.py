@@ -27,7 +27,7 @@ from .conformance import (
 )
 from .ops import OPS
 from .profiles import PROFILES, get_profile
-from .report import build_report
+from .report import build_report, validate_report
 from .workers import usable_cores, validate_jobs
 
 __all__ = ["main"]
@@ -114,7 +114,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
             console.print(f"# repro of the first failing {gate} case:", highlight=False)
             console.print(outcome["repro"], markup=False, highlight=False, soft_wrap=True)
     if json_path is not None:
-        _write_json(json_path, report)
+        _write_json(json_path, validate_report(report, "report to write"))
     if level["forward"] == "unavailable":
         console.print(f"error: nothing was checked: {result.get('unavailable')}",
                       markup=False, highlight=False, soft_wrap=True)

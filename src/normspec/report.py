@@ -23,11 +23,16 @@ One report per (op, profile), written to ``reports/<profile>/<op>.json``::
       },
       "check_seconds": {"<backend>": 12.3}   # each check's wall time in its process
     }
+
+The JSON schema is ``normspec/schemas/conformance_report.schema.json``
+([`SCHEMA_PATH`][normspec.report.SCHEMA_PATH]); reports are validated against it when
+written and when read ([`read_report`][normspec.report.read_report]).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -43,10 +48,56 @@ from .ops import get_op, variant_name
 from .profiles import Profile
 from .transforms import TRANSFORMS
 
-__all__ = ["build_report", "environment", "git_state", "write_report"]
+__all__ = ["SCHEMA_PATH", "ReportError", "build_report", "environment", "git_state",
+           "read_report", "validate_report", "write_report"]
 
 KIND = "normspec.conformance"
 SCHEMA_VERSION = 1
+#: The conformance report's JSON schema (draft 2020-12), shipped with the package.
+SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "conformance_report.schema.json"
+
+
+class ReportError(ValueError):
+    """A conformance report that does not follow the schema (the message names the file
+    or the writer, the JSON path and what is wrong)."""
+
+
+@functools.cache
+def _validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+
+
+def validate_report(data: object, where: str = "report") -> dict[str, Any]:
+    """``data`` if it is a valid conformance report, else ``ReportError`` naming ``where``
+    and the first problem (schema errors first, then names normspec does not know)."""
+    from .profiles import PROFILES
+
+    error = next(iter(sorted(_validator().iter_errors(data), key=lambda e: e.json_path)),
+                 None)
+    if error is not None:
+        raise ReportError(f"{where}: {error.json_path}: {error.message}")
+    assert isinstance(data, dict)
+    if data["profile"] not in PROFILES:
+        raise ReportError(f"{where}: $.profile: unknown profile {data['profile']!r}; "
+                          f"expected one of {sorted(PROFILES)}")
+    return data
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """The conformance report in ``path``, validated; ``ReportError`` naming the file when
+    it does not parse, does not follow the schema, or lies outside ``<profile>/<op>.json``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{path}: not valid JSON: {exc}") from None
+    validate_report(data, str(path))
+    if (path.parent.name, path.stem) != (data["profile"], data["op"]):
+        raise ReportError(f"{path}: misfiled: a report of {data['op']} on {data['profile']} "
+                          f"belongs in {data['profile']}/{data['op']}.json")
+    return data
 
 
 def git_state(root: Path | None = None) -> dict[str, Any]:
@@ -137,7 +188,9 @@ def build_report(
 
 
 def write_report(report: dict[str, Any], directory: Path) -> Path:
-    """Write ``report`` to ``directory/<profile>/<op>.json`` and return the path."""
+    """Validate ``report`` and write it to ``directory/<profile>/<op>.json``; return the
+    path."""
+    validate_report(report, "report to write")
     path = Path(directory) / report["profile"] / f"{report['op']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
