@@ -53,6 +53,16 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def differential(session: nox.Session) -> None:
+    """Our backends against the spec on 10,000 hypothesis-drawn cases per op (``-- N`` for
+    another count); CI runs a modest count in ``tests``."""
+    _install_cpu(session, extras="test")
+    examples = session.posargs[0] if session.posargs else "10000"
+    session.run("pytest", "-q", "tests/test_differential.py",
+                env={"NORMSPEC_DIFFERENTIAL_EXAMPLES": examples})
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check over the whole tree."""
     session.install("ruff")
