@@ -1,4 +1,4 @@
-"""GPU-only timing of a call, for ``bench/run.py`` and ``bench/geometry_sweep.py``.
+"""GPU-only timing of a call, for ``bench/run.py``.
 
 ``triton.testing.do_bench`` records its start event right after its L2 flush. When the
 host needs longer than the flush to launch the call (Python, dispatch, the autograd
@@ -7,11 +7,10 @@ waits for the host and do_bench counts that wait as the call's time. :func:`devi
 puts a sleep kernel between the flush and the start event instead, long enough for the
 host to enqueue the whole call first, so that the events time the GPU alone.
 
-The kernels between the flush and the call move the time of a launch of a few µs: on the
-H200 one no-op kernel after the flush took 0.34 µs off both torch.compile's and our
-1 x 2048 rms backward and added 0.7-0.8 µs to both 64 x 2048 backwards (notes/perf.md
-§31). ``after_flush_kernels`` (``bench/run.py --after-flush-kernels``) adds such kernels,
-to see whether a ranking of small cases survives the change.
+The kernels between the flush and the call move the time of a launch of a few µs by a
+fraction of a µs either way. ``after_flush_kernels`` (``bench/run.py
+--after-flush-kernels``) adds such kernels, to see whether a ranking of small cases
+survives the change.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A bench process times each call many times, so its rounds agree closely; yet on the
 H200 the small cases moved from one process to the next by about 0.2 µs (forwards) and
-up to 0.6 µs (two-kernel backwards; notes/perf.md §23), as much as the gaps the issue's
-small-batch target is about. This script runs the same bench ``--processes`` times, one
+up to 0.6 µs (two-kernel backwards), as much as the gaps between the backends on
+those cases. This script runs the same bench ``--processes`` times, one
 fresh process after another, keeps every process's time of every row, and ranks on the
 median over the processes: ours against the fastest peer per case and direction, with
 each side's range over the processes, so that a gap inside the ranges reads as what it is.

@@ -513,7 +513,7 @@ def main(argv=None) -> int:
                         f"out (default {HIDE_MS})")
     p.add_argument("--after-flush-kernels", type=int, default=0, metavar="N",
                    help="no-op kernels between the device timing's flush and its sleep; they "
-                        "move small launches' times (notes/perf.md §31; default 0)")
+                        "move small launches' times (default 0)")
     args = p.parse_args(argv)
     try:
         cases = [parse_case(c) for c in args.case] or CASES

@@ -8,7 +8,7 @@ between them. The cases reach every kernel form that shares memory across warps:
 * teams of one block (64 to 256 lanes): the one-row forward and backward of 2048-wide rows
   (one pass or four), whose warp partials meet in shared memory (``team_reduce_pipe``);
 * the pipelined backward over many rows, with the forward's rstd (``SAVED``: one reduction a
-  row, in alternating halves of its buffer, notes/perf.md §34) and without it (two);
+  row, in alternating halves of its buffer) and without it (two);
 * rows that do not fill a team (the forms whose team size is read at run time);
 * the fused and gated norms, the gated ones with the gate table in shared or global memory.
 

@@ -51,8 +51,8 @@ def launch_probe(tmp_path_factory) -> Path:
     skipped without nvcc.
 
     Its device code is never run, only the host's launches recorded, so NVVM does not
-    optimize it (``-Xcicc -O0``): on CI's two cores the build takes 32 s instead of 120,
-    and the probe's output is the same (notes/perf.md §56)."""
+    optimize it (``-Xcicc -O0``): the build is several times faster and the probe's
+    output the same."""
     import hashlib
 
     from test_cuda_sources import NVCC

@@ -163,7 +163,7 @@ def test_a_backend_left_out_by_the_filter_is_not_loaded(monkeypatch):
 def test_device_timing_takes_the_flush_sleep_and_prelude_flags(monkeypatch):
     """--flush-mib, --hide-host-ms and --after-flush-kernels reach every device timing:
     probes of how the flush, the host-hiding sleep and kernels between them move a
-    kernel's time (notes/perf.md §22, §31)."""
+    kernel's time."""
     import torch
 
     seen = []

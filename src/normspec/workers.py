@@ -86,11 +86,8 @@ def worker_threads(jobs: int) -> int | None:
 
     ``$NORMSPEC_WORKER_THREADS`` where set; otherwise the usable cores shared
     among the workers, at least one each, or ``None`` (torch's default) for a
-    single worker. Left to torch, every worker would start a thread per core:
-    on the H200's 16-core host the eight workers' small CPU ops then spin their
-    threads beside the other workers' Triton compiles, and the CUDA run took
-    187 and 192 s against 175 and 181 s with two threads a worker, in either
-    order (notes/perf.md §55, §56).
+    single worker. Left to torch, every worker would start a thread per core,
+    whose small CPU ops then spin beside the other workers' Triton compiles.
 
     Raises:
         ValueError: ``$NORMSPEC_WORKER_THREADS`` is not a whole number >= 1
