@@ -1,87 +1,28 @@
 """``normspec.backends.cupy_backend``: the first-party CUDA kernels through CuPy and NVRTC.
 
-The kernels are the torch extension's own: ``backends/csrc/normspec_pipe.cuh`` and
-``normspec_kernels.cuh`` (shipped as package data) are compiled as they are by NVRTC,
-lazily, one module per (operator, dtype, direction) holding every template
-instantiation that module launches (``MODULES``; the forward's and the backward's kernels
-apart, as the extension's launch units), cached on disk (next to CuPy's kernel cache, or in
-``NORMSPEC_CUPY_CACHE_DIR``) and memoised per process and device. A compile is announced
-on stderr; ``available()``, which the registry asks, compiles all 21 modules, side by
-side in threads (``compile_modules``, which ``normspec build`` runs ahead of time): one
-after another they took minutes on a machine's first use. The host launch logic
-(``normspec_launch_impl.cuh``) is mirrored in Python. Aligned rows of at most 1024 vectors
-run, as in the torch extension, the one-row forward (``normspec_fwd_row_kernel``:
-``row_geometry``, ``row_block``; few 16-bit rows of 256 or 128 with a weight of their
-dtype the q/k forward in vectors of four, ``normspec_fwd_quad_kernel``:
-``quad_forward_launch``) and the pipelined backward (``normspec_bwd_pipe_kernel``:
-``pipe_backward_plan``, ``pipe_backward_launch``; persistent teams with their dweight
-stacks, weight factors and, for large bf16 gated launches, the gate table in shared
-memory, past 48 KiB with the device's opt-in); other rows run the register and streaming
-kernels (``geometry``, ``backward_plan``). Where a large bf16 gated forward wants a gate table
-but the global table's forms do not take it, the persistent forward runs, each block
-building the table in its shared memory (``pipe_forward_launch``), as in the extension;
-so does every aligned forward with ``NORMSPEC_FWD_ROW=0``. dweight's workspace rows are
-folded as in the extension: levels of 16 rows while more than ``COL_TREE_LAST_MAX`` are
-left, then one launch for the rest and the cast to the weight's dtype
-(``col_tree_last_launch``).
-Large bf16 gated forwards (at least 2**20 elements, rows of 64..1024) read act(z)
-from the extension's gate table in global memory (``gated_row_table_launch``): one
-CuPy array per device, filled on first use with the declared functions (not while the
-stream is captured into a CUDA graph); ``NORMSPEC_GATED_ROW_TABLE=0`` runs the persistent
-forward instead, as the extension does. On an H200 the global table took 2**21 x 128 from
-609 to 378 us (vllm) and from 640 to 389 us (hf;
-bench/results/sweeps/cupy_gated_row_table.json) against the one-row forward evaluating
-every gate, which this backend ran there before it had the persistent forward; they take
-the extension's GT forms (``gt_form``).
+The kernels are the torch extension's own (``backends/csrc``, shipped as package data),
+compiled as they are by NVRTC, lazily: one module per (operator, dtype, direction)
+holding every template instantiation that module launches (``MODULES``), cached on disk
+and memoised per process and device. A compile is announced on stderr; ``available()``,
+which the registry asks, compiles all the modules side by side in threads
+(``compile_modules``, which ``normspec build`` runs ahead of time).
 
-As in the extension, the backward's launches follow ``launch_bwd_pipe``
-(``pipe_backward_launch``, a ``BackwardLaunch``): the rms norm's one-row groups run
-``normspec_bwd_row_kernel``, large bf16 gated launches the convention as constants and,
-for groups of two rows or more, ``normspec_gated_bwd_pair_kernel``
-(``normspec_gated_bwd.cuh``, compiled into the same modules); a contiguous 16-bit weight
-of the input dtype is read as it is (``F_W_RAW``) by the one-row forward and the pipelined
-family instead of through an fp32 copy; a backward of one dweight group stores dweight
-itself (``F_DW_FINAL``). Through autograd (torch inputs) the forward also writes each
-row's rstd, which the backward then reads, and a fused add whose new residual is the sum
-its norm read (``residual_sum="rounded"``, or fp32 rows) saves that one tensor and runs
-the backward from it (``OP_FUSED_SUM``: one gradient row for both dx and dresidual). The
-explicit backward functions do the same given ``rstd`` (from the ``*_with_rstd``
-forwards) and the sum (``fused_add_rms_norm_backward_from_sum``); else they recompute
-rstd. The dweight tree's launches are chained after the backward kernel (programmatic
-dependent launch, ``chained_launches``), as in the extension: CuPy's kernel launch takes
-no launch attributes, so they go through the driver's ``cuLaunchKernelEx`` (ctypes);
-plain inside a CUDA graph capture, before sm_90 and with ``NORMSPEC_PDL=0``. Every kernel
-gives the spec's bits. tests/test_cupy_launch_parity.py holds the
-launches to the extension's: the same kernels, grids, blocks and shared memory for the
-same calls, under every switch below.
-``NORMSPEC_PIPE=0`` keeps everything on the register kernels, ``NORMSPEC_FWD_ROW=0``
-the forward on the persistent kernel, ``NORMSPEC_FULL_ROW=0`` runs the general-geometry
-forms and ``NORMSPEC_GATE_TABLE=0`` evaluates every gate, as in the torch extension; so do its
-speed switches ``NORMSPEC_SAVED_RSTD``, ``NORMSPEC_BWD_ROW``, ``NORMSPEC_BWD_ROW_WIDE``,
-``NORMSPEC_GATED_BWD_PAIR``, ``NORMSPEC_GATED_BWD_PACKED_W``, ``NORMSPEC_DW_FINAL``,
-``NORMSPEC_PDL`` and the GT forms' (``gt_form``), read here at each call. A call's
-launches are planned once per shape, dtypes, flags, alignment, row strides and the
-switches' values (``_forward_plan``, ``_backward_plan``, kept in ``_plans``): a repeated
-shape costs a dictionary lookup instead of the planners. Every launch goes through the
-driver's ``cuLaunchKernelEx`` (``_launch``), its arguments packed into one buffer and its
-launch configuration kept; CuPy's ``RawKernel`` launches only where a driver before CUDA
-12.0 lacks it.
-``NORMSPEC_BUILD_DEFINES`` gives NVRTC the extension's build-time definitions
-(``normspec.backends.build_defines``). On an
-H200 (bf16, GPU time) the one-row forward took the rms norm 32768 x 2048 from 138 to
-77 us, and the pipelined backward from 910 to 151 us (the fused op's: 1219 to 251 us).
-The extension's forms above took the bench's GPU times to the extension's own, within
-2.1 % on every large shape at b61bd41 (0.9 % at a740a78,
-``bench/results/NVIDIA_H200.json``): backward rms 32768 x 2048 143.5 -> 122.1 us, fused
-add 227.8 -> 150.7, gated 2**21 x 128 1222 -> 708 (hf) and 1020 -> 705 (vllm); forward
-71.6 -> 66.6 at rms 32768 x 2048 (no fp32 weight
-copy). Per call, the host side outweighs the kernels but at the largest sizes. In the bench
-at a740a78 a call at the small and mid shapes (1 to 4096 rows) took 4-45 us a forward and
-116-270 us a backward through autograd, against torch.compile's 28-56 and 145-176 us in the
-same run (the bench's call time hides a host quicker than its cache flush); enqueueing a
-forward took 42-73 us against torch.compile's 63-110. At 11ed868, before the driver
-launches and plain-number arguments, the forward's calls took 52-107 us.
-``scripts/cupy_host_profile.py`` shows where the host time goes.
+The host launch logic of ``normspec_launch_impl.cuh`` is mirrored in Python (the
+planners below: ``row_forward_launch``, ``pipe_backward_launch``, ...), so that both
+backends run the same kernels with the same grids, blocks and shared memory;
+tests/test_cupy_launch_parity.py holds the two to that. A call's launches are planned
+once per shape, dtypes, flags, alignment and row strides and kept (``_plans``). Every
+launch goes through the driver's ``cuLaunchKernelEx`` (ctypes), which also chains the
+dweight tree's launches after the backward kernel (programmatic dependent launch, from
+sm_90, outside a CUDA graph capture); CuPy's ``RawKernel`` launches only where a driver
+before CUDA 12.0 lacks it. Every kernel gives the spec's bits.
+
+| Setting | What it does |
+|---|---|
+| ``NORMSPEC_CUPY_CACHE_DIR`` | the compiled modules' folder |
+
+Without it the modules are cached in ``$CUPY_CACHE_DIR/normspec``, else in
+``~/.cupy/kernel_cache/normspec``.
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
@@ -91,26 +32,22 @@ Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind
 * [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]`(x, gate, weight, *,
   eps, convention="vllm", activation="silu")`
 * the explicit backward functions ``rms_norm_backward``, ``fused_add_rms_norm_backward``,
-  ``fused_add_rms_norm_backward_from_sum``, ``rms_norm_gated_backward`` (same arguments
-  and results as the torch extension's ``torch.ops.normspec.*_backward*``, ``rstd`` a
-  keyword), and the forwards that also return rstd for them, ``rms_norm_with_rstd``,
-  ``fused_add_rms_norm_with_rstd``, ``rms_norm_gated_with_rstd`` (no autograd)
+  ``fused_add_rms_norm_backward_from_sum``, ``rms_norm_gated_backward`` (the torch
+  extension's arguments and results, ``rstd`` a keyword), and the forwards that also
+  return rstd for them, ``rms_norm_with_rstd``, ``fused_add_rms_norm_with_rstd``,
+  ``rms_norm_gated_with_rstd`` (no autograd)
 * [`available`][normspec.backends.cupy_backend.available]`() -> str | None`
 
-torch tensors enter zero-copy as pointers and strides (no CuPy view); outputs are
-allocated by torch (its caching allocator) and written in place through their
-pointers, so they come back as torch tensors; kernels run on torch's current
-stream (a ``cupy.cuda.ExternalStream``), and gradients flow through a
-``torch.autograd.Function`` that calls the backward kernels. CuPy arrays run on
-CuPy's current stream and come back as CuPy arrays.
+torch tensors enter zero-copy as pointers and strides; outputs are allocated by torch
+and come back as torch tensors; kernels run on torch's current stream, and gradients
+flow through a ``torch.autograd.Function``. CuPy arrays run on CuPy's current stream and
+come back as CuPy arrays.
 
 Why not ``cupy.RawModule(code=...)``: CuPy's compile path appends ``-ftz=true`` after
-the caller's options (``cupy/cuda/compiler.py``, ``_compile_with_cache_cuda``), and
-NVRTC lets the last ``-ftz`` win: the kernels' ``__fadd_rn``/``__fmul_rn`` would
-flush subnormals (206 ``.ftz`` instructions in the PTX of three kernels) and the
-results would no longer be the spec's bits. So this module drives NVRTC itself
-(``cupy.cuda.nvrtc``, with the torch extension's IEEE flags) and loads the cubin
-with ``cupy.RawModule(path=...)``.
+the caller's options, and NVRTC lets the last ``-ftz`` win: the kernels would flush
+subnormals and the results would no longer be the spec's bits. So this module drives
+NVRTC itself (``cupy.cuda.nvrtc``, with the torch extension's IEEE flags) and loads the
+cubin with ``cupy.RawModule(path=...)``.
 """
 
 from __future__ import annotations
@@ -132,7 +69,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from normspec.backends.build_defines import build_defines
 from normspec.environ import positive_int
 from normspec.progress import say
 from normspec.registry import Backend, OpSupport
@@ -165,17 +101,14 @@ __all__ = [
     "compile_modules",
     "cupy_stream_of",
     "forward_geometry",
-    "full_row_forms_enabled",
     "fused_add_rms_norm",
     "fused_add_rms_norm_backward",
     "fused_add_rms_norm_backward_from_sum",
     "fused_add_rms_norm_with_rstd",
-    "gated_row_table_enabled",
     "gated_row_table_launch",
     "kernel_part",
     "name_expressions",
     "persistent_grid",
-    "pipe_backward_enabled",
     "pipe_backward_geometry",
     "pipe_backward_launch",
     "pipe_backward_plan",
@@ -189,10 +122,8 @@ __all__ = [
     "rms_norm_gated_with_rstd",
     "rms_norm_with_rstd",
     "row_block",
-    "row_forward_enabled",
     "row_forward_launch",
     "row_geometry",
-    "row_quad_enabled",
     "wants_gate_table",
 ]
 
@@ -246,37 +177,9 @@ _NPS = (1, 2, 4)
 
 # ---- the host launch logic of normspec_launch_impl.cuh, in Python ----------------------
 # By the design any valid geometry gives the same bits (every partial sum is the
-# tree of an aligned power-of-two segment, whatever the team size), so these
-# functions mirror the C++ defaults for like-for-like benchmarks but need not
-# follow later tuning of the C++ launcher. tests/test_cupy_nvrtc.py compares
-# them with the C++ functions compiled on the host.
-def _switched_off(name: str) -> bool:
-    """Whether environment variable ``name`` is exactly ``"0"`` (``switched_off`` of the
-    launcher: the speed switches that keep an older path for timing; read at each call,
-    from the dictionary where CPython's ``os.environ`` keeps the encoded environment:
-    0.05 us against ``os.environ.get``'s 0.75 on the CPU machine)."""
-    data = _environ_data()
-    if data is None:  # pragma: no cover - another Python
-        return os.environ.get(name) == "0"
-    key = _encoded_names.get(name)
-    if key is None:
-        key = _encoded_names[name] = _encode_key(name)
-    return data.get(key) == _ENCODED_ZERO
-
-
-def _environ_data() -> dict | None:
-    """The dictionary where CPython's ``os.environ`` keeps the encoded environment (what
-    ``_switched_off`` and ``switch_values`` read), or ``None`` on a Python without it."""
-    data = getattr(os.environ, "_data", None)
-    return data if type(data) is dict and _encode_key is not None else None
-
-
-_encoded_names: dict[str, Any] = {}
-try:
-    _encode_key = os.environ.encodekey  # type: ignore[attr-defined]
-    _ENCODED_ZERO = os.environ.encodevalue("0")  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - another Python
-    _encode_key = _ENCODED_ZERO = None
+# tree of an aligned power-of-two segment, whatever the team size); these functions
+# mirror the C++ launcher so that both backends run the same launches.
+# tests/test_cupy_nvrtc.py compares them with the C++ functions compiled on the host.
 
 
 def next_pow2(n: int) -> int:
@@ -352,7 +255,7 @@ def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> tup
 
 def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
     """``(team_log, NP)`` of the pipelined backward (``normspec::pipe_geometry`` with
-    ``backward`` and no override); ``(0, 0)`` for rows of more than 1024 vectors.
+    ``backward``); ``(0, 0)`` for rows of more than 1024 vectors.
     One pass up to 32 vectors, then teams of half the vectors (two passes), 256 x 4
     from 513 vectors on."""
     return _pipe_geometry(hidden, vec, 32)
@@ -360,7 +263,7 @@ def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
 
 def pipe_forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
     """``(team_log, NP)`` of the persistent pipelined forward (``normspec::pipe_geometry``
-    without ``backward`` or an override); ``(0, 0)`` for rows of more than 1024 vectors.
+    without ``backward``); ``(0, 0)`` for rows of more than 1024 vectors.
     One pass up to 16 vectors, then as the backward's."""
     return _pipe_geometry(hidden, vec, 16)
 
@@ -406,7 +309,7 @@ def fits_smem(dynamic_bytes: int, optin: int) -> bool:
 def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
                        optin: int) -> tuple[int, int, int, int] | None:
     """``(team_log, NP, glog, groups)`` of the pipelined backward for aligned rows
-    (``normspec::backward_plan_for`` without overrides), ``None`` for rows of more than
+    (``normspec::backward_plan_for``), ``None`` for rows of more than
     1024 vectors. The largest groups, within five stack levels of at most 40 KiB a
     block, that leave a group for at least half of the teams the device holds."""
     vec = vec_of(dtype_code)
@@ -433,65 +336,23 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
 
 def wants_gate_table(op: int, dtype_code: int, rows: int, hidden: int) -> bool:
     """Whether a launch reads act(z) from a gate table (``wants_gate_table`` of the
-    launcher): bf16 gated launches of at least 2**20 elements, unless
-    ``NORMSPEC_GATE_TABLE=0``."""
-    return (op == OP_GATED and dtype_code == DT_BF16
-            and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS and gate_table_enabled())
-
-
-def gate_table_enabled() -> bool:
-    """``NORMSPEC_GATE_TABLE=0`` turns the activation table off (read at each call)."""
-    return not _switched_off("NORMSPEC_GATE_TABLE")
-
-
-def saved_rstd_enabled() -> bool:
-    """Whether the backward reads the forward's rstd where it is given (unless
-    ``NORMSPEC_SAVED_RSTD=0``, as in the torch extension)."""
-    return not _switched_off("NORMSPEC_SAVED_RSTD")
-
-
-def bwd_row_enabled() -> bool:
-    """Whether the rms backward of one-row groups runs ``normspec_bwd_row_kernel`` (unless
-    ``NORMSPEC_BWD_ROW=0``)."""
-    return not _switched_off("NORMSPEC_BWD_ROW")
+    launcher): bf16 gated launches of at least 2**20 elements."""
+    return op == OP_GATED and dtype_code == DT_BF16 and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS
 
 
 def bwd_row_wide(rows: int, sm_count: int) -> bool:
     """Whether the one-row backward of 128 threads x 2 passes runs as 256 threads x 1
-    (``bwd_row_wide`` of the launcher: at most 8 x SMs rows; ``NORMSPEC_BWD_ROW_WIDE=0``
-    never, ``=2`` at any row count)."""
-    value = os.environ.get("NORMSPEC_BWD_ROW_WIDE")
-    return value != "0" and (value == "2" or rows <= 8 * sm_count)
-
-
-def gated_bwd_pair_enabled() -> bool:
-    """Whether the gate-table backward's constant forms of groups of two rows or more run
-    ``normspec_gated_bwd_pair_kernel`` (unless ``NORMSPEC_GATED_BWD_PAIR=0``)."""
-    return not _switched_off("NORMSPEC_GATED_BWD_PAIR")
-
-
-def gated_bwd_packed_w_enabled() -> bool:
-    """Whether the transformers convention's gate-table backward with a weight of the input
-    dtype takes its weight products in packed bf16 (``GC`` 7; unless
-    ``NORMSPEC_GATED_BWD_PACKED_W=0``, which runs ``GC`` 3)."""
-    return not _switched_off("NORMSPEC_GATED_BWD_PACKED_W")
-
-
-def dw_final_enabled() -> bool:
-    """Whether a pipelined backward of one dweight group stores dweight itself in the
-    weight's dtype (unless ``NORMSPEC_DW_FINAL=0``)."""
-    return not _switched_off("NORMSPEC_DW_FINAL")
+    (``bwd_row_wide`` of the launcher: at most 8 x SMs rows)."""
+    return rows <= 8 * sm_count
 
 
 def gated_gc(hf: bool, w_is_input: bool) -> int:
     """The gate-table backward's convention constants ``GC`` (``launch_bwd_pipe``): 0 the
-    vllm convention, 1 transformers' with an fp32 weight, 7 (or 3 with
-    ``NORMSPEC_GATED_BWD_PACKED_W=0``) transformers' with a weight of the input dtype."""
+    vllm convention, 1 transformers' with an fp32 weight, 7 transformers' with a weight of
+    the input dtype (its weight products in packed bf16)."""
     if not hf:
         return 0
-    if not w_is_input:
-        return 1
-    return 7 if gated_bwd_packed_w_enabled() else 3
+    return 7 if w_is_input else 1
 
 
 class BackwardLaunch(NamedTuple):
@@ -526,29 +387,25 @@ def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_co
     than 1024 vectors).
 
     Rows that fill the team exactly in the common geometries (one pass of 16 or 32 lanes,
-    two of 128 or 256 threads) run the constant-geometry forms, where their offsets fit in
-    32 bits (`strides`: the row strides of the launch's tensors; ``bwd_offsets_fit_32``):
-    for the rms norm's one-row groups ``normspec_bwd_row_kernel`` (``NORMSPEC_BWD_ROW=0``:
-    not), 256 threads x 1 pass instead of 128 x 2 where ``bwd_row_wide``; for the bf16
-    gated op with the gate table and the forward's rstd (`saved`) the convention as
-    constants (``gated_gc`` of `hf` and `w_is_input`), in
-    ``normspec_gated_bwd_pair_kernel`` where the groups have two rows or more. `saved`:
-    the forward's rstd is given (read unless ``NORMSPEC_SAVED_RSTD=0``)."""
+    two of 128 or 256 threads) run the constant-geometry forms: for the rms norm's one-row
+    groups ``normspec_bwd_row_kernel``, 256 threads x 1 pass instead of 128 x 2 where
+    ``bwd_row_wide``; for the bf16 gated op with the gate table and the forward's rstd
+    (`saved`) the convention as constants (``gated_gc`` of `hf` and `w_is_input`), in
+    ``normspec_gated_bwd_pair_kernel`` where the groups have two rows or more and every
+    offset fits 32 bits (``offsets_fit_32``; `strides`: the row strides of the launch's
+    tensors). `saved`: the forward's rstd is given (and read)."""
     plan = pipe_backward_plan(dtype_code, rows, hidden, sm_count, optin)
     if plan is None:
         return None
     team_log, np_, glog, groups = plan
     vec = vec_of(dtype_code)
     t = CUDA_TYPES[dtype_code]
-    saved = saved and saved_rstd_enabled()
-    table = (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
-             and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS
+    table = (wants_gate_table(op, dtype_code, rows, hidden)
              and fits_smem(pipe_smem_bytes(team_log, np_, vec, glog, True), optin))
     lo = 4 if np_ == 1 else 7
-    full = (np_ <= 2 and full_row_forms_enabled() and hidden == (np_ * vec) << team_log
-            and team_log in (lo, lo + 1) and bwd_offsets_fit_32(rows, hidden, strides))
+    full = np_ <= 2 and hidden == (np_ * vec) << team_log and team_log in (lo, lo + 1)
     flag = "true" if saved else "false"
-    if full and op == OP_RMS and glog == 0 and bwd_row_enabled():
+    if full and op == OP_RMS and glog == 0:
         np_r, tl_r = ((1, 8) if (np_, team_log) == (2, 7) and bwd_row_wide(rows, sm_count)
                       else (np_, team_log))
         return BackwardLaunch(f"normspec_bwd_row_kernel<{t}, {np_r}, {tl_r}, {flag}>", glog,
@@ -556,7 +413,7 @@ def pipe_backward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_co
     block = pipe_block(team_log)
     if full and op == OP_GATED and dtype_code == DT_BF16 and np_ == 1 and saved and table:
         gc = gated_gc(hf, w_is_input)
-        if glog >= 1 and gated_bwd_pair_enabled():  # full: the offsets fit 32 bits
+        if glog >= 1 and offsets_fit_32(rows, hidden, strides):
             smem = (glog - 1) * vec * 4 * 256 + _GATE_TABLE_SLOTS * 8
             name = f"normspec::normspec_gated_bwd_pair_kernel<{t}, {team_log}, {gc}>"
             return BackwardLaunch(name, glog, groups, True, (block, smem, team_log))
@@ -607,8 +464,8 @@ def col_tree_last_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int,
 
 def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int,
                  sm_count: int) -> tuple[int, int]:
-    """``(team_log, NP)`` of the one-row forward (``normspec::row_geometry`` without an
-    override); ``(0, 0)`` for rows of more than 1024 vectors (not eligible).
+    """``(team_log, NP)`` of the one-row forward (``normspec::row_geometry``); ``(0, 0)``
+    for rows of more than 1024 vectors (not eligible).
 
     Four vectors per thread for the rms norm and two for the ops with two row tensors
     (at most 256 threads, then more passes); few rows double the team, up to one vector
@@ -628,25 +485,16 @@ def row_block(team_log: int, rows: int, sm_count: int) -> int:
     64 lanes on; smaller teams share 256-thread blocks, or one-warp blocks where the
     launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``). The kernels'
     whole-block forms take their row from ``blockIdx.x``, so a team of 64+ lanes must stay
-    one block of its own. ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (an experiment, read at each
-    call): 64-thread blocks where 256-thread ones would number fewer than the SMs."""
+    one block of its own."""
     if team_log > 5:
         return 1 << team_log
     if rows << team_log >= sm_count * 2048 * 8:
         return 32
-    if os.environ.get("NORMSPEC_ROW_BLOCK_SPREAD") == "1" and rows << team_log < 256 * sm_count:
-        return 64
     return 256
 
 
 #: lanes (log2) a row of the quad forward, by the row's length (``quad_lanes_log``)
 _QUAD_LANES_LOG = {256: 6, 128: 5}
-
-
-def row_quad_enabled() -> bool:
-    """Whether few rows of 256 and 128 may run the quad forward: unless
-    ``NORMSPEC_ROW_QUAD=0`` (read at each call), as in the torch extension."""
-    return not _switched_off("NORMSPEC_ROW_QUAD")
 
 
 def quad_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
@@ -659,8 +507,7 @@ def quad_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_cou
     four-element lanes number at most ``sm_count * 128``; 256-thread blocks."""
     ll = _QUAD_LANES_LOG.get(hidden)
     if (ll is None or not w_raw or dtype_code == DT_F32 or op not in (OP_RMS, OP_FUSED)
-            or rows << ll > sm_count * 128 or not row_quad_enabled()
-            or not full_row_forms_enabled()):
+            or rows << ll > sm_count * 128):
         return None
     if row_geometry(hidden, vec_of(dtype_code), op != OP_RMS, rows, sm_count) != (ll - 1, 1):
         return None
@@ -683,8 +530,7 @@ def row_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_coun
     team_log, np_ = row_geometry(hidden, vec, op != OP_RMS, rows, sm_count)
     if np_ == 0:
         return None
-    full = (full_row_forms_enabled() and row_index_fits_32(rows)
-            and hidden == (np_ * vec) << team_log
+    full = (row_index_fits_32(rows) and hidden == (np_ * vec) << team_log
             and ((np_ == _row_default_np(op) and 1 <= team_log <= 8)
                  or (np_ == 1 and 4 <= team_log <= 8)))
     block = row_block(team_log, rows, sm_count)
@@ -700,28 +546,16 @@ _GLOBAL_TABLE_TEAM_LOGS = range(2, 7)
 FILL_GATE_TABLE_KERNEL = "normspec_fill_gate_table_kernel<__nv_bfloat16>"
 
 
-def gated_row_table_enabled() -> bool:
-    """Whether large bf16 gated forwards may read the global gate table: unless
-    ``NORMSPEC_GATED_ROW_TABLE=0`` (read at each call), as in the torch extension."""
-    return not _switched_off("NORMSPEC_GATED_ROW_TABLE")
-
-
 def gt_form(hf: bool, w_is_input: bool, w_raw: bool) -> int:
     """The GT forward's form (``normspec_fwd_row_kernel``'s ``GTF``; ``gt_form_of`` of the
     launcher): the vllm convention's own form 1, or 4 with the weight read in the input
     dtype (`w_raw`); the transformers convention's 2 (fp32 weight), 3 (a weight of the input
-    dtype) or 5 (that weight read as it is, products in packed bf16); 0 the form of both
-    conventions. ``NORMSPEC_GT_VLLM_FORM``, ``NORMSPEC_GT_VLLM_W_RAW``,
-    ``NORMSPEC_GT_HF_FORM`` and ``NORMSPEC_GT_HF_PACKED_W`` (``=0``) turn each off."""
+    dtype) or 5 (that weight read as it is, products in packed bf16)."""
     if not hf:
-        if _switched_off("NORMSPEC_GT_VLLM_FORM"):
-            return 0
-        return 4 if w_raw and not _switched_off("NORMSPEC_GT_VLLM_W_RAW") else 1
-    if _switched_off("NORMSPEC_GT_HF_FORM"):
-        return 0
+        return 4 if w_raw else 1
     if not w_is_input:
         return 2
-    return 5 if w_raw and not _switched_off("NORMSPEC_GT_HF_PACKED_W") else 3
+    return 5 if w_raw else 3
 
 
 def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_count: int,
@@ -732,9 +566,7 @@ def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_
     of at least 2**20 elements whose rows fill a two-pass team of 4..64 lanes
     (``forward_row_with_global_table``), in the form ``gt_form(hf, w_is_input, w_raw)``;
     ``None`` elsewhere."""
-    if not (op == OP_GATED and dtype_code == DT_BF16 and gate_table_enabled()
-            and gated_row_table_enabled() and full_row_forms_enabled()
-            and row_index_fits_32(rows) and rows * hidden >= _GATE_TABLE_MIN_ELEMENTS):
+    if not (wants_gate_table(op, dtype_code, rows, hidden) and row_index_fits_32(rows)):
         return None
     vec = vec_of(dtype_code)
     team_log, np_ = row_geometry(hidden, vec, True, rows, sm_count)
@@ -742,8 +574,7 @@ def gated_row_table_launch(op: int, dtype_code: int, rows: int, hidden: int, sm_
         return None
     block = row_block(team_log, rows, sm_count)
     form = gt_form(hf, w_is_input, w_raw)
-    name = (f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true"
-            + (f", {form}>" if form else ">"))
+    name = f"normspec_fwd_row_kernel<{op}, {CUDA_TYPES[dtype_code]}, 2, {team_log}, true, {form}>"
     return name, (grid_for(rows, block >> team_log), 1, 1), (block, 1, 1), team_log
 
 
@@ -754,29 +585,13 @@ def row_index_fits_32(rows: int) -> bool:
     return rows <= 0x7FFFFFFF
 
 
-def bwd_offsets_fit_32(rows: int, hidden: int, strides: Sequence[int]) -> bool:
-    """Whether the pipelined backward's constant forms may take a launch of `rows` rows of
-    `hidden` elements with these row `strides`: built with ``NORMSPEC_BWD_OFF32`` (an
-    experiment, off by default; notes/perf.md §36) they do their row and offset arithmetic
-    in 32 bits, so at most ``2**30`` rows and a last element, ``(rows - 1) * max(strides,
-    hidden) + hidden - 1``, of at most ``2**31 - 2`` (``bwd_offsets_fit_32`` in the
-    launcher, which applies it only with the switch). This backend applies it always, so
-    that it stays right whichever default the header's switch has; the launches it turns
-    away hold more than ``2**31`` elements in one tensor, and run the general form."""
+def offsets_fit_32(rows: int, hidden: int, strides: Sequence[int]) -> bool:
+    """Whether a launch of `rows` rows of `hidden` elements with these row `strides` may
+    run ``normspec_gated_bwd_pair_kernel``, which does its row and offset arithmetic in 32
+    bits: at most ``2**30`` rows and a last element, ``(rows - 1) * max(strides, hidden) +
+    hidden - 1``, of at most ``2**31 - 2`` (``offsets_fit_32`` in the launcher)."""
     m = max((hidden, *strides))
     return rows <= 1 << 30 and m <= 0x7FFFFFFF and (rows - 1) * m <= 0x7FFFFFFF - hidden
-
-
-def full_row_forms_enabled() -> bool:
-    """Whether rows that fill the team run the constant-geometry forms
-    (``NORMSPEC_FULL_ROW=0`` says no, as in the torch extension; read at each call)."""
-    return not _switched_off("NORMSPEC_FULL_ROW")
-
-
-def row_forward_enabled() -> bool:
-    """Whether aligned rows may run the one-row forward (``NORMSPEC_PIPE=0`` or
-    ``NORMSPEC_FWD_ROW=0`` say no, as in the torch extension; read at each call)."""
-    return not (_switched_off("NORMSPEC_PIPE") or _switched_off("NORMSPEC_FWD_ROW"))
 
 
 class ForwardPipeLaunch(NamedTuple):
@@ -792,16 +607,13 @@ class ForwardPipeLaunch(NamedTuple):
 def pipe_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, optin: int
                         ) -> ForwardPipeLaunch | None:
     """The persistent pipelined forward (``normspec_fwd_pipe_kernel``; ``forward_pipe_t``
-    of the launcher) for aligned rows of at most 1024 vectors, ``None`` elsewhere or with
-    ``NORMSPEC_PIPE=0``. The launcher runs it where the one-row forward does not run:
-    bf16 gated launches with a gate table (``wants_gate_table``) that the global table's
-    forms do not take (rows that do not fill a two-pass team of 4..64 lanes, a stream
-    being captured before the table's first fill, ``NORMSPEC_GATED_ROW_TABLE=0``), and
-    every aligned launch with ``NORMSPEC_FWD_ROW=0``. Each block builds the gate table in
-    its shared memory where it fits; rows that fill a team of 4..32 lanes in one or two
-    passes then run the constant-geometry form."""
-    if _switched_off("NORMSPEC_PIPE"):
-        return None
+    of the launcher) for aligned rows of at most 1024 vectors, ``None`` elsewhere. The
+    launcher runs it where the one-row forward does not run: bf16 gated launches with a
+    gate table (``wants_gate_table``) that the global table's forms do not take (rows that
+    do not fill a two-pass team of 4..64 lanes, a stream being captured before the table's
+    first fill). Each block builds the gate table in its shared memory where it fits; rows
+    that fill a team of 4..32 lanes in one or two passes then run the constant-geometry
+    form."""
     vec = vec_of(dtype_code)
     team_log, np_ = pipe_forward_geometry(hidden, vec)
     if np_ == 0:
@@ -809,8 +621,7 @@ def pipe_forward_launch(op: int, dtype_code: int, rows: int, hidden: int, optin:
     weights = (np_ * vec * 4) << team_log
     table = (wants_gate_table(op, dtype_code, rows, hidden)
              and fits_smem(weights + _GATE_TABLE_SLOTS * 4, optin))
-    full = (table and np_ <= 2 and full_row_forms_enabled()
-            and hidden == (np_ * vec) << team_log and 2 <= team_log <= 5)
+    full = table and np_ <= 2 and hidden == (np_ * vec) << team_log and 2 <= team_log <= 5
     name = (f"normspec_fwd_pipe_kernel<{op}, {CUDA_TYPES[dtype_code]}, {np_}, "
             f"{team_log if full else -1}>")
     return ForwardPipeLaunch(name, pipe_block(team_log),
@@ -847,9 +658,9 @@ _BWD_FULL_FORMS = ((1, 4), (1, 5), (2, 7), (2, 8))
 #: The one-row rms backward's forms: the constant forms and the wide one (256 x 1).
 _BWD_ROW_FORMS = (*_BWD_FULL_FORMS, (1, 8))
 #: The gated backward's convention constants (``gated_gc``).
-_GATED_GCS = (0, 1, 3, 7)
+_GATED_GCS = (0, 1, 7)
 #: The GT forward's forms (``gt_form``).
-_GT_FORMS = range(6)
+_GT_FORMS = range(1, 6)
 
 
 def _backward_names(op: int, t: str) -> list[str]:
@@ -913,7 +724,7 @@ def name_expressions(op: int, dtype_code: int, part: str | None = None) -> list[
         *backward,
         # the global gate table and the forms that read it (large bf16 gated forwards)
         *((FILL_GATE_TABLE_KERNEL,
-           *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true" + (f", {f}>" if f else ">")
+           *(f"normspec_fwd_row_kernel<{op}, {t}, 2, {tl}, true, {f}>"
              for f in _GT_FORMS for tl in _GLOBAL_TABLE_TEAM_LOGS),
            # the persistent forward's constant forms (with the per-block table)
            *(f"normspec_fwd_pipe_kernel<{op}, {t}, {n}, {tl}>"
@@ -1064,15 +875,13 @@ def cuda_include_dir() -> str | None:
 
 
 def compile_options(arch_flag: str) -> tuple[str, ...]:
-    """Full NVRTC options for ``arch_flag`` (``-arch=sm_90`` or ``-arch=compute_90``),
-    with the definitions of ``$NORMSPEC_BUILD_DEFINES``, as the torch extension's build
-    (they are part of the compile cache's key). Raises ``ValueError`` naming the variable
-    for an entry that is not ``NAME`` or ``NAME=VALUE``."""
+    """Full NVRTC options for ``arch_flag`` (``-arch=sm_90`` or ``-arch=compute_90``);
+    part of the compile cache's key."""
     inc = [f"-I{CSRC}"]
     cuda_inc = cuda_include_dir()
     if cuda_inc:
         inc.append(f"-I{cuda_inc}")
-    return (*NVRTC_OPTIONS, *build_defines(), *inc, arch_flag)
+    return (*NVRTC_OPTIONS, *inc, arch_flag)
 
 
 def compile_kernels(names: Sequence[str], arch: str) -> tuple[bytes, dict[str, str], str]:
@@ -1193,7 +1002,7 @@ def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float
     current device by default), ``jobs`` at a time in threads: by default ``$MAX_JOBS``
     (the torch extension builds' variable) or else one per CPU core. Returns the seconds
     it took. On a machine's first use this is the 21 NVRTC compiles, each up to tens of
-    seconds on one core, which one after another took minutes on the H200's host.
+    seconds on one core, which one after another would take minutes.
     Raises [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError] (the
     first module's failure, after the others finished)."""
     cp = _cupy()
@@ -1461,8 +1270,7 @@ class _TorchSide(_Side):
         return (t, rs) if rs is not None else _row_view(self.cp, self.raw(t))
 
     def empty_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (empty_like: 1.0 us against torch.empty's 2.7 with x's shape and dtype on the
-        # CPU machine)
+        # (empty_like: quicker than torch.empty with x's shape and dtype)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         return out, out
 
@@ -1519,8 +1327,8 @@ def cupy_stream_of(cp: Any, stream: torch.cuda.Stream, dev: int) -> Any:
 
 
 #: torch's current stream of a device as a raw handle, without building a torch Stream
-#: (``torch.cuda.current_stream`` took 5 of a CuPy call's 11 us in the stream's context on
-#: the H200); torch's own generated code calls it so. ``None`` where this torch lacks it.
+#: (``torch.cuda.current_stream`` took about half a call's host time); torch's own
+#: generated code calls it so. ``None`` where this torch lacks it.
 _torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 #: CuPy stream objects for torch's streams, by (device, handle): wrappers that own nothing
 _cupy_streams: dict[tuple[int, int], Any] = {}
@@ -1556,8 +1364,8 @@ class _StreamHandle:
 
 
 def _side(kind: str, x: Any) -> _TorchSide | _CupySide:
-    """The side of ``x``'s kind and device (kept: building one took 1.3 us of a call's
-    host time on the H200)."""
+    """The side of ``x``'s kind and device (kept: building one per call costs host
+    time)."""
     cp = _cupy()
     dev = x.get_device() if kind == "torch" else x.device.id
     side = _sides.get((kind, dev))
@@ -1621,8 +1429,7 @@ class KernelArgs(NamedTuple):
     other uint64, ``q`` int64, ``i`` int32, ``f`` float32, as ``struct`` spells them),
     and ``values``, Python numbers (a float32's already rounded where it overflows,
     ``_f32_arg``). The driver launch packs the values by the codes into one buffer
-    (``_packed_params``); NumPy scalars for each argument took 4.2 us of a forward's
-    host time on the H200 (notes/perf.md §46)."""
+    (``_packed_params``), far quicker than a NumPy scalar for each argument."""
 
     codes: str
     values: tuple
@@ -1650,10 +1457,8 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: Kernel
     """Launches ``fn`` on the current stream through the driver's ``cuLaunchKernelEx``
     (``_launch_driver``); ``chained``: as a programmatic dependent launch
     (``_launch_chained``; the caller has asked ``chained_launches``). Where the driver
-    lacks ``cuLaunchKernelEx`` (before CUDA 12.0), through CuPy's ``RawKernel``. On the
-    H200's host a forward's launch took 9.4 us through RawKernel, 9.0 through the driver
-    with a configuration built per launch and 6.0 with one built once (that probe through
-    ``PyDLL``, 0.3 us quicker than the ``CDLL`` used here; notes/perf.md §47)."""
+    lacks ``cuLaunchKernelEx`` (before CUDA 12.0), through CuPy's ``RawKernel``. The
+    driver launch with a configuration built once is the quickest of the three."""
     if chained:
         _launch_chained(fn, grid, block, args, shared_mem)
     elif _cu_launch_kernel_ex() is not None:
@@ -1706,8 +1511,8 @@ _SLOT_CODES = {"Q": "Q", "q": "q", "i": "i4x", "f": "f4x"}
 #: this thread's argument buffers: (packer, buffer, the pointers into it) by argument codes
 _arg_layouts = threading.local()
 #: this thread's launch configurations (pointers to them, which the driver reads) by
-#: (grid, block, shared memory, stream, number of attributes): building one took 2.6 us
-#: of a launch's host time on the H200 (notes/perf.md §47)
+#: (grid, block, shared memory, stream, number of attributes): building one per launch
+#: costs host time
 _launch_configs = threading.local()
 _CONFIGS_MAX = 1024
 _cu_launch_kernel_ex_fn: list[Any] = []  # [] until looked up, then [function or None]
@@ -1754,11 +1559,9 @@ def _current_stream_capturing(cp: Any) -> bool:
 
 def chained_launches(cp: Any, dev: int) -> bool:
     """Whether the dweight tree's launches are chained after the backward kernel on the
-    current stream, as in the extension (``normspec::chained_launches``): not with
-    ``NORMSPEC_PDL=0`` (read at each call), not on devices or code before sm_90, and not
-    inside a CUDA graph capture."""
-    return (not _switched_off("NORMSPEC_PDL") and _pdl_capable(cp, dev)
-            and not _current_stream_capturing(cp))
+    current stream, as in the extension (``normspec::chained_launches``): not on devices
+    or code before sm_90, and not inside a CUDA graph capture."""
+    return _pdl_capable(cp, dev) and not _current_stream_capturing(cp)
 
 
 def _launch_chained(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: KernelArgs,
@@ -1776,7 +1579,7 @@ def _launch_driver(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args:
     1: the kept configurations are told apart by the number); ``args`` packed by
     ``_packed_params``. The driver call goes through ctypes' ``CDLL``, which lets other
     Python threads run while it waits (a launch can wait for room in the launch queue);
-    ``PyDLL``, which holds the GIL, was 0.3 us faster on the H200 (notes/perf.md §47)."""
+    ``PyDLL``, which holds the GIL, would be slightly quicker."""
     launch = _cu_launch_kernel_ex()
     if launch is None:  # chained_launches said no; a caller that did not ask
         raise RuntimeError("a driver launch needs the driver's cuLaunchKernelEx")
@@ -1809,7 +1612,7 @@ def _bind_primary_context() -> None:
     A thread that no CUDA runtime call has touched has no current context: the runtime
     binds one lazily at its first call, the driver's launch does not and fails with
     ``CUDA_ERROR_INVALID_CONTEXT``. Autograd's device thread can reach the CuPy backward
-    before any runtime call there; it did on the H200 (notes/perf.md §50).
+    before any runtime call there.
     ``cudaSetDevice`` binds the device's primary context and makes it current at once
     (CUDA 12.0+, ``cuda_runtime_api.h``). The launch calls this after that failure; the
     cold paths whose driver calls come before any launch (a module's load in ``_kernel``,
@@ -1882,12 +1685,6 @@ def _prepare_pipe_kernel(fn: Any, key: tuple, block: int, smem: int, optin: int)
     return per_sm
 
 
-def pipe_backward_enabled() -> bool:
-    """Whether aligned rows may run the pipelined backward (``NORMSPEC_PIPE=0`` says no,
-    as in the torch extension; read at each call)."""
-    return not _switched_off("NORMSPEC_PIPE")
-
-
 def _f32_arg(v: float) -> float:
     """``v`` as a float32 kernel argument will hold it: ``struct`` rounds as the C cast
     does (NumPy's ``float32``) but refuses what rounds to infinity, which is given here
@@ -1941,36 +1738,17 @@ def _with_weight_ptr(a: _Args, w: int, flags: int) -> _Args:
 
 
 # ---- launch plans: what a call launches, decided once per shape ----------------------
-# A call's launches depend on its shape, dtypes, flags, alignment and the speed switches,
-# not on its pointers: the planners' answers are kept per such key (``_plans``), so that
-# a repeated shape costs the backend a dictionary lookup instead of its planners (most of
-# a small call's host time, notes/perf.md §46). The switches stay read at each call: their
-# values are part of the key.
+# A call's launches depend on its shape, dtypes, flags, alignment and row strides, not on
+# its pointers: the planners' answers are kept per such key (``_plans``), so that a
+# repeated shape costs the backend a dictionary lookup instead of its planners (most of a
+# small call's host time).
 
-#: every environment variable the planners read (tests/test_cupy_nvrtc.py checks the list)
-PLAN_SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW",
-                 "NORMSPEC_SAVED_RSTD", "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE",
-                 "NORMSPEC_GATE_TABLE", "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM",
-                 "NORMSPEC_GT_HF_FORM", "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W",
-                 "NORMSPEC_GATED_BWD_PACKED_W", "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL",
-                 "NORMSPEC_ROW_BLOCK_SPREAD", "NORMSPEC_ROW_QUAD")
 #: the flags a plan depends on (the others only travel to the kernels)
 _PLAN_FLAGS = F_ALIGNED | F_HF | F_SIGMOID | F_W_IS_INPUT
 #: plans kept before the cache starts again (shapes that vary without end, as the tokens
 #: of prefills, must not grow it without bound)
 _PLANS_MAX = 4096
 _plans: dict[tuple, Any] = {}
-#: the switches' keys in ``_environ_data()`` (16 reads there take about 1 us)
-_SWITCH_KEYS = tuple(map(_encode_key, PLAN_SWITCHES)) if _encode_key is not None else ()
-
-
-def switch_values() -> tuple:
-    """The values of the ``PLAN_SWITCHES`` now (``None`` for an unset one; encoded where
-    the environment's own dictionary is read): part of every plan's key."""
-    data = _environ_data()
-    if data is not None:
-        return tuple(map(data.get, _SWITCH_KEYS))
-    return tuple(map(os.environ.get, PLAN_SWITCHES))  # pragma: no cover - another Python
 
 
 def clear_launch_plans() -> None:
@@ -2002,12 +1780,12 @@ class _FwdPlan(NamedTuple):
 
 
 def _forward_plan(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, flags: int,
-                  as_is: bool, gtab: bool, switches: tuple) -> _FwdPlan:
+                  as_is: bool, gtab: bool) -> _FwdPlan:
     """The forward's launch (kept per key): `flags` the call's (F_ALIGNED: every row and
     the weight it reads allow 16-byte vectors), `as_is` whether the weight may be read in
     the input dtype, `gtab` whether the global gate table may be had (not in a capture
-    before its first fill), `switches` ``switch_values()``."""
-    key = ("fwd", dev, op, dt, rows, hidden, flags & _PLAN_FLAGS, as_is, gtab, switches)
+    before its first fill)."""
+    key = ("fwd", dev, op, dt, rows, hidden, flags & _PLAN_FLAGS, as_is, gtab)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -2015,9 +1793,8 @@ def _forward_plan(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, f
         # forward_t: the global gate table's forms, else the one-row forward where no
         # gate table is wanted, else the persistent forward (its per-block table)
         sm_count = _sm_count(cp, dev)
-        one_row = row_forward_enabled()
         row = None
-        if one_row and gtab:
+        if gtab:
             row = gated_row_table_launch(op, dt, rows, hidden, sm_count,
                                          hf=bool(flags & F_HF),
                                          w_is_input=bool(flags & F_W_IS_INPUT), w_raw=as_is)
@@ -2025,7 +1802,7 @@ def _forward_plan(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, f
                 name, grid, block, team_log = row
                 return _keep_plan(key, _FwdPlan("gt", _kernel(dev, op, dt, name), grid, block,
                                                 team_log=team_log))
-        if one_row and not wants_gate_table(op, dt, rows, hidden):
+        if not wants_gate_table(op, dt, rows, hidden):
             quad = quad_forward_launch(op, dt, rows, hidden, sm_count, as_is)
             if quad is not None:
                 name, grid, block = quad
@@ -2082,21 +1859,19 @@ def _forward(kind: str, op: int, rows: Sequence[Any], weight: Any, eps: float,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, 4 if dt == DT_F32 else 2)  # the rows' (the weight's below)
         as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
-        switches = switch_values()
         plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, as_is is not None,
-                             True, switches)
+                             True)
         gtab = None
         if plan.form == "gt":
             gtab = _global_gate_table(cp, side.dev, bool(a.flags & F_SIGMOID))
             if gtab is None:  # a capture before the table's first fill
                 plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags,
-                                     as_is is not None, False, switches)
+                                     as_is is not None, False)
         # the one-row and persistent kernels read a 16-bit weight as it is; the register
         # kernels fp32
         a = _with_weight(side, a, weight, dt, as_is if plan.form != "reg" else None, keep)
         if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
-            plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, False, False,
-                                 switches)
+            plan = _forward_plan(cp, side.dev, op, dt, nrows, hidden, a.flags, False, False)
         rstd_ptr = _ptr(rstd[1]) if rstd is not None else 0
         if plan.table:
             a = _with_flags(a, a.flags | F_GATE_TABLE)
@@ -2167,20 +1942,17 @@ class _BwdPlan(NamedTuple):
 
 
 def _backward_plan(cp: Any, dev: int, op: int, dt: int, wdt: int, rows: int, hidden: int,
-                   flags: int, strides: tuple[int, ...], saved: bool, switches: tuple
-                   ) -> _BwdPlan:
+                   flags: int, strides: tuple[int, ...], saved: bool) -> _BwdPlan:
     """The backward's launches (kept per key): `flags` the call's (F_ALIGNED: every row
     and the weight it reads allow 16-byte vectors), `strides` the rows' ``(sx, sr, sdy,
-    sdres, sy, sy2)``, `saved` whether the forward's rstd is read, `switches`
-    ``switch_values()``."""
-    key = ("bwd", dev, op, dt, wdt, rows, hidden, flags & _PLAN_FLAGS, strides, saved,
-           switches)
+    sdres, sy, sy2)``, `saved` whether the forward's rstd is read."""
+    key = ("bwd", dev, op, dt, wdt, rows, hidden, flags & _PLAN_FLAGS, strides, saved)
     plan = _plans.get(key)
     if plan is not None:
         return plan
     sms = _sm_count(cp, dev)
     pipe = None
-    if flags & F_ALIGNED and pipe_backward_enabled():
+    if flags & F_ALIGNED:
         optin = _smem_optin(cp, dev)
         pipe = pipe_backward_launch(op, dt, rows, hidden, sms, optin, strides, saved=saved,
                                     hf=bool(flags & F_HF),
@@ -2193,7 +1965,7 @@ def _backward_plan(cp: Any, dev: int, op: int, dt: int, wdt: int, rows: int, hid
         else:  # the persistent kernels: their resident blocks per SM
             per_sm = _prepare_pipe_kernel(fn, (dev, op, dt, name, smem), block, smem, optin)
             grid = (persistent_grid(groups, team_log, per_sm, sms), 1, 1)
-        final = groups == 1 and dt != DT_F32 and wdt == dt and dw_final_enabled()
+        final = groups == 1 and dt != DT_F32 and wdt == dt
         tree = None if final else _tree_plan(dev, op, dt, wdt, groups, hidden)
         return _keep_plan(key, _BwdPlan(pipe.kind, fn, grid, (block, 1, 1), smem, team_log,
                                         glog, groups, table, False, final, tree))
@@ -2242,18 +2014,17 @@ def _backward(kind: str, op: int, grads: Sequence[Any], rows: Sequence[Any], wei
                   sy2=hidden if n_rowgrads == 2 else 0,
                   eps=eps, offset=offset, flags=_base_flags(op, x, weight, offset, params))
         a = with_alignment(a, esize)  # the rows' (the weight's below)
-        reads_rstd = rstd is not None and saved_rstd_enabled()
+        reads_rstd = rstd is not None
         as_is = _weight_as_is(weight, x, dt) if a.flags & F_ALIGNED else None
         wdt = _dtype_code(kind, weight)
         strides = (a.sx, a.sr, a.sdy, a.sdres, a.sy, a.sy2)
-        switches = switch_values()
         plan = _backward_plan(cp, side.dev, op, dt, wdt, nrows, hidden, a.flags, strides,
-                              reads_rstd, switches)
+                              reads_rstd)
         # the pipelined family reads a 16-bit weight as it is; the register kernels fp32
         a = _with_weight(side, a, weight, dt, as_is if plan.form != "reg" else None, keep)
         if plan.form != "reg" and not a.flags & F_ALIGNED:  # an fp32 weight off 16 bytes
             plan = _backward_plan(cp, side.dev, op, dt, wdt, nrows, hidden, a.flags, strides,
-                                  reads_rstd, switches)
+                                  reads_rstd)
         rstd_ptr = _ptr(rstd) if reads_rstd else 0
         chained = False  # the dweight tree's launches chained after the backward kernel
         groups = plan.groups

@@ -229,13 +229,11 @@ def record_calls(monkeypatch, name: str) -> list:
     return picked
 
 
-@pytest.mark.parametrize("fwd_row", ["1", "0"], ids=["one-row forward", "persistent forward"])
-def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
+def test_aligned_rows_pick_the_forward_kernel(monkeypatch, ext):
     """Aligned rows of at most 1024 vectors run the one-row forward (as in the torch
-    extension), with NORMSPEC_FWD_ROW=0 the persistent forward (as the extension then
-    does): both give the spec's bits, at few rows (wider teams), at full launches (the
-    constant forms) and on ragged rows; both weights' dtypes."""
-    monkeypatch.setenv("NORMSPEC_FWD_ROW", fwd_row)
+    extension), large gated ones the persistent forward with its gate table: the spec's
+    bits, at few rows (wider teams), at full launches (the constant forms) and on ragged
+    rows; both weights' dtypes."""
     picked = record_calls(monkeypatch, "row_forward_launch")
     persistent = record_calls(monkeypatch, "pipe_forward_launch")
     for seed, shape in enumerate([(1, 2048), (64, 2048), (4096, 2048), (20000, 256),
@@ -243,26 +241,19 @@ def test_aligned_rows_pick_the_forward_kernel(fwd_row, monkeypatch, ext):
         for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
             wdtype = (torch.float32, torch.bfloat16)[seed % 2]
             check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
-    if fwd_row == "1":
-        assert picked and all(p is not None for p in picked)
-        # the persistent forward for the large gated launches alone (the gate table)
-        assert persistent and all(p.table for p in persistent)
-        assert any(p[0].endswith(", -1>") for p in picked)  # the general form
-        assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
-    else:
-        assert picked == [] and persistent and all(p is not None for p in persistent)
-        assert {p.name.split(", ")[2] for p in persistent} == {"1", "2"}  # NP
+    assert picked and all(p is not None for p in picked)
+    # the persistent forward for the large gated launches alone (the gate table)
+    assert persistent and all(p.table for p in persistent)
+    assert any(p[0].endswith(", -1>") for p in picked)  # the general form
+    assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
 
 
-@pytest.mark.parametrize("pipe", ["1", "0"], ids=["pipelined backward", "register backward"])
-def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
+def test_aligned_rows_pick_the_pipelined_backward(monkeypatch, ext):
     """Aligned rows of at most 1024 vectors run the torch extension's pipelined backward
-    (persistent teams, dweight stacks in shared memory), with NORMSPEC_PIPE=0 the
-    register backward: both give the spec's bits (and the extension's) for one-pass and
-    two-pass teams, the constant forms, ragged rows, groups that outnumber the resident
-    teams, and a bf16 gated launch large enough for the gate table (which needs the
-    shared-memory opt-in)."""
-    monkeypatch.setenv("NORMSPEC_PIPE", pipe)
+    (persistent teams, dweight stacks in shared memory): the spec's bits (and the
+    extension's) for one-pass and two-pass teams, the constant forms, ragged rows, groups
+    that outnumber the resident teams, and a bf16 gated launch large enough for the gate
+    table (which needs the shared-memory opt-in)."""
     picked = record_calls(monkeypatch, "pipe_backward_launch")
     for seed, shape in enumerate([(1, 2048), (4096, 2048), (20000, 256), (333, 1003),
                                   (7, 8)]):
@@ -270,16 +261,13 @@ def test_aligned_rows_pick_the_pipelined_backward(pipe, monkeypatch, ext):
             check_torch(op, params, shape, torch.bfloat16, torch.float32, seed, ext=ext)
     for op, params in (VARIANTS[7], VARIANTS[10]):  # 2**20 elements: the gate table
         check_torch(op, params, (8192, 128), torch.bfloat16, torch.bfloat16, 11, ext=ext)
-    if pipe == "1":
-        assert picked and all(p is not None for p in picked)
-        pipes = [p for p in picked if p.kind == "pipe"]  # (the others: one-row, pair)
-        assert any(p.name.split(", ")[3] == "-1" for p in pipes)  # the general form
-        assert any(p.name.split(", ")[3] != "-1" for p in pipes)  # the constant forms
-        assert {p.kind for p in picked} == {"pipe", "row", "pair"}
-        assert any(p[3] for p in picked)  # the gate table
-        assert any(p[4][1] + 2048 > 48 * 1024 for p in picked)  # the opt-in
-    else:
-        assert picked == []
+    assert picked and all(p is not None for p in picked)
+    pipes = [p for p in picked if p.kind == "pipe"]  # (the others: one-row, pair)
+    assert any(p.name.split(", ")[3] == "-1" for p in pipes)  # the general form
+    assert any(p.name.split(", ")[3] != "-1" for p in pipes)  # the constant forms
+    assert {p.kind for p in picked} == {"pipe", "row", "pair"}
+    assert any(p[3] for p in picked)  # the gate table
+    assert any(p[4][1] + 2048 > 48 * 1024 for p in picked)  # the opt-in
 
 
 
@@ -292,8 +280,7 @@ def test_gated_backward_with_the_saved_rstd(op, params, monkeypatch, ext):
     kernel's constant form for one-row groups (8192 x 256); the explicit backward
     recomputes rstd (the run-time form). Every one gives the spec's bits (and the
     extension's), bf16 and fp32 weights, and the hf convention's packed-weight form
-    (GC 7) and its switch (GC 3)."""
-    monkeypatch.delenv("NORMSPEC_GATED_BWD_PACKED_W", raising=False)
+    (GC 7)."""
     picked = record_calls(monkeypatch, "pipe_backward_launch")
     for seed, (shape, wdtype) in enumerate([((2**16, 128), torch.bfloat16),
                                             ((2**16, 128), torch.float32),
@@ -305,11 +292,6 @@ def test_gated_backward_with_the_saved_rstd(op, params, monkeypatch, ext):
     assert ("pair", "1") in kinds if hf else ("pair", "1") not in kinds
     assert any(p.kind == "pipe" and p.name.endswith(", true, 7>" if hf else ", true, 0>")
                for p in picked)
-    if hf:
-        monkeypatch.setenv("NORMSPEC_GATED_BWD_PACKED_W", "0")
-        picked.clear()
-        check_torch(op, params, (2**16, 128), torch.bfloat16, torch.bfloat16, 5, ext=ext)
-        assert any(p.name.endswith("4, 3>") and p.kind == "pair" for p in picked)
 
 
 def test_one_row_backward_and_dweight_stored_by_its_kernel(monkeypatch, ext):
@@ -385,19 +367,13 @@ def test_gated_forward_on_the_persistent_kernel(shape, monkeypatch, ext):
     assert all(p.name.endswith(", 4>" if constant else ", -1>") for p in persistent)
 
 
-@pytest.mark.parametrize("row_table", ["default", "0"])
-def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
+def test_gated_forward_every_gate_per_table(monkeypatch):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
-    spec's bits through the large gated forward: by default the one-row forms that read
-    act(z) from the gate table in global memory (``gated_row_table_launch``), with
-    ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent forward, whose blocks build the table in
-    shared memory (``pipe_forward_launch``), as in the torch extension."""
-    if row_table == "0":
-        monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
-    else:
-        monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    spec's bits through the large gated forward: the one-row forms that read act(z) from
+    the gate table in global memory (``gated_row_table_launch``), as in the torch
+    extension. (The persistent forward, whose blocks build the table in shared memory,
+    runs every gate in the graph-capture test below.)"""
     picked = record_calls(monkeypatch, "gated_row_table_launch")
-    persistent = record_calls(monkeypatch, "pipe_forward_launch")
     rows = _every_bf16_gate(32768, 128)
     w32 = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
@@ -406,17 +382,12 @@ def test_gated_forward_every_gate_per_table(row_table, monkeypatch):
             want = spec_forward(op, rows, w, EPS, params)
             got = cb.rms_norm_gated(crows["x"], crows["gate"], w.cuda(), eps=EPS, **params)
             assert_bits(got, want[0], f"every gate {params} weight {w.dtype}")
-    if row_table == "0":  # the persistent forward, each block's table in shared memory
-        assert picked == [None] * 2 * len(GATED)
-        assert [p.name for p in persistent] == [
-            "normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>"] * 2 * len(GATED)
-        assert all(p.table for p in persistent)
-    else:  # the GT forms (gt_form): vllm 1, hf 2 (fp32 weight); 4, 5 (bf16 weight as it is)
-        forms = [1, 1, 2, 2, 4, 4, 5, 5]
-        assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
-        assert [p[0] for p in picked] == [
-            f"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, {f}>" for f in forms]
-        assert {k[1] for k in cb._gate_tables_filled} == {False, True}  # both activations
+    # the GT forms (gt_form): vllm 1, hf 2 (fp32 weight); 4, 5 (bf16 weight as it is)
+    forms = [1, 1, 2, 2, 4, 4, 5, 5]
+    assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
+    assert [p[0] for p in picked] == [
+        f"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, {f}>" for f in forms]
+    assert {k[1] for k in cb._gate_tables_filled} == {False, True}  # both activations
 
 
 def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
@@ -424,8 +395,8 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     caller's capturing stream) fills no table there, which needs a launch and a wait: the
     capture holds the persistent forward, whose blocks build the table in shared memory
     (as the torch extension's does), and its replay gives the spec's bits. The next call
-    outside the capture fills the table and uses it."""
-    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE", raising=False)
+    outside the capture fills the table and uses it. Every one of the 2**16 bf16 gates
+    gives the spec's bits through that persistent forward."""
     monkeypatch.setattr(cb, "_gate_tables", {})
     monkeypatch.setattr(cb, "_gate_tables_filled", set())
     picked = record_calls(monkeypatch, "pipe_forward_launch")
@@ -435,22 +406,25 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     cw = w.cuda()
     op, params = GATED[0]
     want = spec_forward(op, rows, w, EPS, params)
-    # the kernel the capture will hold, loaded outside it (lazy module loading)
-    monkeypatch.setenv("NORMSPEC_GATED_ROW_TABLE", "0")
-    cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
-    monkeypatch.delenv("NORMSPEC_GATED_ROW_TABLE")
+    # the kernel the capture will hold, loaded (and its plan kept) outside it, as where no
+    # table can be had: the persistent forward
+    with monkeypatch.context() as m:
+        m.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
+        first = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     torch.cuda.synchronize()
+    assert_bits(first, want[0], f"persistent forward {params}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     graph.replay()
     torch.cuda.synchronize()
     assert_bits(out, want[0], f"graph {params}")
-    assert cb._gate_tables_filled == set() and len(picked) == 2
+    # the capture took the plan kept outside it
+    assert cb._gate_tables_filled == set() and len(picked) == 1
     assert all(p is not None and p.table for p in picked)
     got = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     assert_bits(got, want[0], f"after the graph {params}")
-    assert len(cb._gate_tables_filled) == 1 and len(picked) == 2
+    assert len(cb._gate_tables_filled) == 1 and len(picked) == 1
 
 
 CHAINED_CASES = [(VARIANTS[1], (4096, 2048), torch.bfloat16, torch.bfloat16),  # pipelined
@@ -460,16 +434,11 @@ CHAINED_CASES = [(VARIANTS[1], (4096, 2048), torch.bfloat16, torch.bfloat16),  #
                  (VARIANTS[10], (8192, 128), torch.bfloat16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("pdl", ["default", "0"])
-def test_tree_launches_chained_after_the_backward(pdl, monkeypatch, ext):
+def test_tree_launches_chained_after_the_backward(monkeypatch, ext):
     """On sm_90 and later the dweight tree's launches are programmatic dependent launches
-    through the driver's cuLaunchKernelEx (unless ``NORMSPEC_PDL=0``): the driver takes
-    them and every output and gradient is the spec's bits, torch tensors and CuPy arrays.
-    Inside a CUDA graph capture they are plain, and the replay gives the same bits."""
-    if pdl == "0":
-        monkeypatch.setenv("NORMSPEC_PDL", "0")
-    else:
-        monkeypatch.delenv("NORMSPEC_PDL", raising=False)
+    through the driver's cuLaunchKernelEx: the driver takes them and every output and
+    gradient is the spec's bits, torch tensors and CuPy arrays. Inside a CUDA graph
+    capture they are plain, and the replay gives the same bits."""
     chained = []
     real = cb._launch_chained
 
@@ -482,7 +451,7 @@ def test_tree_launches_chained_after_the_backward(pdl, monkeypatch, ext):
         check_torch(op, params, shape, dtype, wdtype, seed, ext=ext)
         check_cupy(op, params, shape, dtype, wdtype, seed)
     sm90 = torch.cuda.get_device_capability() >= (9, 0)
-    assert bool(chained) == (sm90 and pdl == "default"), len(chained)
+    assert bool(chained) == sm90, len(chained)
     # a capture: plain launches (cudaStreamBeginCapture's stream), the same bits
     (op, params), shape, dtype, wdtype = CHAINED_CASES[0]
     rows, weight, grads = make_case(op, params, shape, dtype, wdtype, 9, specials=True)
@@ -610,8 +579,8 @@ def _current_context() -> int | None:
 @pytest.mark.parametrize("path", ["driver", "rawkernel"])
 def test_a_thread_without_a_current_context(path, monkeypatch):
     """A thread that no CUDA runtime call has touched yet has no current context, which a
-    driver launch needs: the backend binds the primary context and launches (the H200 once
-    failed autograd's first backward so, notes/perf.md §50). Forward and backward there
+    driver launch needs: the backend binds the primary context and launches (else
+    autograd's first backward can fail so). Forward and backward there
     give the spec's bits; the thread's first launch met no context. ``rawkernel``: as
     where the driver lacks ``cuLaunchKernelEx`` (before CUDA 12.0), every launch through
     CuPy's ``RawKernel`` and nothing chained."""
@@ -689,7 +658,7 @@ _FRESH_BACKWARDS = {
 @pytest.mark.parametrize("case", list(_FRESH_BACKWARDS))
 def test_autograd_backward_first_in_a_fresh_process(case):
     """A new process whose first backward is the CuPy norm's: autograd's device thread
-    reaches our module loads and launches first (the H200's failure of notes/perf.md §50).
+    reaches our module loads and launches first, with no current context bound yet.
     Its gradients equal the explicit backward's bits."""
     script = textwrap.dedent("""
         import faulthandler

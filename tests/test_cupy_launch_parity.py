@@ -5,7 +5,7 @@ spec tests cannot see the two drift apart: every kernel form gives the spec's bi
 form that lands in the launcher alone costs the CuPy backend speed and fails nothing.
 Here the launcher itself runs on the host (``tests/launch_probe``: its translation units
 linked against a recording stand-in for the CUDA runtime), and for the same calls (row
-pointers, strides, dtypes, conventions, rstd given or not, speed switches) both must make
+pointers, strides, dtypes, conventions, rstd given or not) both must make
 the same launches: kernel (template arguments included), grid, block, dynamic shared
 memory and arguments (sizes, strides, eps, offset, flags, team and group sizes; pointers by
 what they point to: an input, null, or a buffer the call allocates), and both must read a
@@ -22,7 +22,6 @@ runs, not the probe's copy of it.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ import numpy as np
 import pytest
 import torch
 from test_cupy_nvrtc import _CpuSide, _record_launches
-from test_switches_documented import launcher_variables
 
 from normspec.backends import cupy_backend as cb
 
@@ -48,22 +46,6 @@ OPS = {
     "gated-hf-sigmoid": (cb.OP_GATED, {"convention": "hf", "activation": "sigmoid"}, True),
 }
 
-#: the speed switches both backends read (the C++ launcher once a process, the CuPy
-#: backend at each call); each is also tested off
-SWITCHES = ("NORMSPEC_PIPE", "NORMSPEC_FWD_ROW", "NORMSPEC_FULL_ROW", "NORMSPEC_SAVED_RSTD",
-            "NORMSPEC_BWD_ROW", "NORMSPEC_BWD_ROW_WIDE", "NORMSPEC_GATE_TABLE",
-            "NORMSPEC_GATED_ROW_TABLE", "NORMSPEC_GT_VLLM_FORM", "NORMSPEC_GT_HF_FORM",
-            "NORMSPEC_GT_VLLM_W_RAW", "NORMSPEC_GT_HF_PACKED_W", "NORMSPEC_GATED_BWD_PACKED_W",
-            "NORMSPEC_GATED_BWD_PAIR", "NORMSPEC_DW_FINAL", "NORMSPEC_PDL", "NORMSPEC_ROW_QUAD")
-
-#: the launcher's other variables, which the CuPy backend does not read: why
-NOT_MIRRORED = {
-    "NORMSPEC_FWD_TEAM": "a tuning override (team size) for sweeps of the extension",
-    "NORMSPEC_BWD_TEAM": "a tuning override (team size) for sweeps of the extension",
-    "NORMSPEC_ROW_BLOCK": "a tuning override (one-row forward's block) for sweeps",
-    "NORMSPEC_BWD_GLOG": "a tuning override (dweight group rows) for sweeps",
-    "NORMSPEC_TREE_LAST": "keeps the tree's older tail, to time it against the one launch",
-}
 
 #: launches left out of the comparison: why
 KNOWN_GAPS = {
@@ -204,8 +186,7 @@ def _pad3(v) -> tuple[int, int, int]:
     return (*v, *(1,) * (3 - len(v)))
 
 
-def cpp_launches(probe, calls: list[Call], env: dict[str, str]
-                 ) -> list[tuple[list[Launch], bool]]:
+def cpp_launches(probe, calls: list[Call]) -> list[tuple[list[Launch], bool]]:
     """(launches, weight copied to fp32) of each call, by the C++ launcher. The tensors
     are made one call at a time, for their addresses (CPU allocations are 64-byte aligned,
     so the CuPy side's own tensors of the call have the same alignment)."""
@@ -215,7 +196,7 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
         lines.append(_probe_line(c, t) + "\n")
         roles.append(_roles(t))
     done = subprocess.run([str(probe), "launch"], input="".join(lines), capture_output=True,
-                          text=True, env=env)
+                          text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     out: list[tuple[list[Launch], bool]] = []
     launches: list[Launch] = []
@@ -243,18 +224,13 @@ def cpp_launches(probe, calls: list[Call], env: dict[str, str]
     return out
 
 
-def cupy_launches(call: Call, monkeypatch, env: dict[str, str], plans: dict | None = None
+def cupy_launches(call: Call, monkeypatch, plans: dict | None = None
                   ) -> tuple[list[Launch], bool]:
     """(launches, weight copied to fp32) of the call, by the CuPy backend's plumbing on
-    CPU tensors (nothing runs), with the switches of ``env`` set; ``plans``: the backend's
-    kept launch plans meanwhile (shared by the calls of one check, so that a call whose
-    plan's key missed something it depends on takes another call's plan and fails)."""
-    recorded = _record_launches(monkeypatch, pdl=True, plans=plans)  # clears some switches:
-    # set them after
-    for var in SWITCHES:
-        monkeypatch.delenv(var, raising=False)
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
+    CPU tensors (nothing runs); ``plans``: the backend's kept launch plans meanwhile
+    (shared by the calls of one check, so that a call whose plan's key missed something it
+    depends on takes another call's plan and fails)."""
+    recorded = _record_launches(monkeypatch, pdl=True, plans=plans)
     t = _tensors(call)
     copies = []
 
@@ -303,18 +279,16 @@ def _calls(ops, dts, hiddens, rows_list, *, shapes=((0, 0, 0),), max_elements=1 
     return out
 
 
-def _check(probe, calls: list[Call], monkeypatch, env_vars: dict[str, str]) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NORMSPEC_")}
-    env.update(env_vars)
-    expected = cpp_launches(probe, calls, env)
+def _check(probe, calls: list[Call], monkeypatch) -> int:
+    expected = cpp_launches(probe, calls)
     mismatches, plans = [], {}
     for call, want in zip(calls, expected, strict=True):
         with monkeypatch.context() as m:
-            got = cupy_launches(call, m, env_vars, plans)
+            got = cupy_launches(call, m, plans)
         if got != want:
             mismatches.append(f"{call}\n  C++:  {want}\n  CuPy: {got}")
-    assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls launch differently "
-                            f"({env_vars or 'defaults'}):\n" + "\n".join(mismatches[:12]))
+    assert not mismatches, (f"{len(mismatches)} of {len(calls)} calls launch "
+                            f"differently:\n" + "\n".join(mismatches[:12]))
     return len(calls)
 
 
@@ -341,7 +315,7 @@ def test_default_launches_match_the_torch_extension(launch_probe, monkeypatch):
     """Every op, dtype, weight dtype, row length and count (the GDN norm's gate table and
     pair kernel, the decoder norm's one-row backward and its wide form, one dweight group
     and many), forward and backward, rstd given or not: the same launches."""
-    n = _check(launch_probe, _calls(OPS, DTS, HIDDENS, ROWS), monkeypatch, {})
+    n = _check(launch_probe, _calls(OPS, DTS, HIDDENS, ROWS), monkeypatch)
     assert n > 2000
 
 
@@ -355,23 +329,9 @@ def test_unaligned_rows_and_weights_launch_as_in_the_torch_extension(launch_prob
     16-bit weight off 16 bytes (copied to fp32, or the register kernels): the same
     launches."""
     calls = _calls(OPS, DTS, (64, 100, 256, 2048), (3, 1000, 8192), shapes=SHAPES)
-    assert _check(launch_probe, calls, monkeypatch, {}) > 500
+    assert _check(launch_probe, calls, monkeypatch) > 500
 
 
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_switched_off_launches_match_the_torch_extension(launch_probe, switch, monkeypatch):
-    """Each speed switch off (``=0``) in both: the same launches, on the shapes its paths
-    decide (rms and fused 2048 wide, the GDN norm's 128, few rows and many)."""
-    calls = _calls(OPS, (cb.DT_F32, cb.DT_BF16), (128, 256, 2048), (1, 64, 1000, 16384))
-    assert _check(launch_probe, calls, monkeypatch, {switch: "0"}) > 100
-
-
-def test_bwd_row_wide_experiment_matches_the_torch_extension(launch_probe, monkeypatch):
-    """``NORMSPEC_BWD_ROW_WIDE=2`` (the wide one-row backward at any row count) and
-    ``NORMSPEC_ROW_BLOCK_SPREAD=1`` (64-thread blocks for warp teams) in both."""
-    calls = _calls(("rms",), (cb.DT_BF16,), (256, 2048), (64, 1000, 2000, 8192))
-    env = {"NORMSPEC_BWD_ROW_WIDE": "2", "NORMSPEC_ROW_BLOCK_SPREAD": "1"}
-    assert _check(launch_probe, calls, monkeypatch, env) > 20
 
 
 def test_quad_forward_bound_matches_the_torch_extension(launch_probe, monkeypatch):
@@ -380,10 +340,9 @@ def test_quad_forward_bound_matches_the_torch_extension(launch_probe, monkeypatc
     C++ launcher's own choice on both sides of the bound."""
     calls = _calls(("rms", "fused-rounded"), (cb.DT_BF16, cb.DT_F16), (128, 256),
                    (264, 265, 528, 529))
-    assert _check(launch_probe, calls, monkeypatch, {}) > 50
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NORMSPEC_")}
+    assert _check(launch_probe, calls, monkeypatch) > 50
     quad = {(c.op, c.hidden, c.rows, c.wdt == c.dt)
-            for c, (launches, _) in zip(calls, cpp_launches(launch_probe, calls, env),
+            for c, (launches, _) in zip(calls, cpp_launches(launch_probe, calls),
                                         strict=True)
             if any(name.startswith("normspec_fwd_quad_kernel<") for name, *_ in launches)}
     # a weight of the input dtype only (read as it is), forward only
@@ -391,12 +350,6 @@ def test_quad_forward_bound_matches_the_torch_extension(launch_probe, monkeypatc
                     for hidden, rows in ((256, 264), (128, 264), (128, 265), (128, 528))}
 
 
-def test_every_launcher_switch_is_mirrored_or_declared():
-    """A variable the launcher reads is either a switch both backends honour (and tested
-    above) or declared in NOT_MIRRORED with the reason: a new speed switch in the launcher
-    alone fails here."""
-    tested = {*SWITCHES, "NORMSPEC_ROW_BLOCK_SPREAD"}  # BWD_ROW_WIDE=2 above too
-    assert launcher_variables() == tested | set(NOT_MIRRORED)
 
 
 # ---- on the GPU: what the two backends' calls ran, as the profiler saw it ----------------

@@ -1,18 +1,16 @@
 """The packed bf16 product of the hf gated kernels gives the spec's bits.
 
 The spec's transformers convention rounds ``u = rt(t * w)`` for a bf16 weight: the fp32
-product of two bf16 values, then rounded to bf16. GT form 5 (the default;
-``NORMSPEC_GT_HF_PACKED_W=0`` turns it off; ``forward_gated_hf_packed_w`` in
-``backends/csrc/normspec_pipe.cuh``) takes the product with ``mul.rn.bf16x2``
-(``fma.rn.bf16x2`` with a -0 addend on sm_80 / 89) instead: the exact product rounded
-once to bf16. The two agree when the fp32 rounding never changes the bf16 one; this test
-checks that on the CPU, against a single rounding of the exact product (exact in
-float64), for every bf16 weight against a spread of rounded normalized inputs,
-subnormal products, underflow and overflow included. The backward's GC 7
-(``gated_backward_vec_hf_packed_w``; ``NORMSPEC_GATED_BWD_PACKED_W=0`` turns it off)
-rests on the same fact for its two products of bf16 values, ``u = rt(t * w)`` and
-``dxhat = rt(rt(du) * w)``. (The GPU's instruction itself is checked by the CUDA
-every-gate tests, whose default cases run form 5 and GC 7.)
+product of two bf16 values, then rounded to bf16. GT form 5
+(``forward_gated_hf_packed_w`` in ``backends/csrc/normspec_pipe.cuh``) takes the product
+with ``mul.rn.bf16x2`` (``fma.rn.bf16x2`` with a -0 addend on sm_80 / 89) instead: the
+exact product rounded once to bf16. The two agree when the fp32 rounding never changes
+the bf16 one; this test checks that on the CPU, against a single rounding of the exact
+product (exact in float64), for every bf16 weight against a spread of rounded normalized
+inputs, subnormal products, underflow and overflow included. The backward's GC 7
+(``gated_backward_vec_hf_packed_w``) rests on the same fact for its two products of bf16
+values, ``u = rt(t * w)`` and ``dxhat = rt(rt(du) * w)``. (The GPU's instruction itself
+is checked by the CUDA every-gate tests, which run form 5 and GC 7.)
 """
 
 from __future__ import annotations

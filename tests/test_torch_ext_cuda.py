@@ -223,10 +223,6 @@ def test_quad_forward_by_rows(dtype, hidden):
     128) while its lanes number at most SMs x 128, the warp teams past that: the spec's
     bits either way (rms, fused in both residual conventions, padded rows, the saved rstd
     and the backward after it), and the forward's kernel by rows."""
-    import os
-
-    if GEOMETRY_VARIABLES & set(os.environ):
-        pytest.skip("a launcher switch or geometry override is set")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bound = sms * 128 // (64 if hidden == 256 else 32)
     for rows in (1, 3, 64, bound, bound + 1):
@@ -251,9 +247,8 @@ def test_many_rows_dweight_tree():
 
 def test_negative_zero_padding():
     # rows a power of two: the spec's tree has no padding, so the -0.0 sums stay -0.0
-    # (and a dweight group deeper than the rows, forced by NORMSPEC_BWD_GLOG, must not
-    # add any: the override child runs this too); bf16 with a bf16 weight also where
-    # the backward kernel stores dweight itself (one group)
+    # (and no dweight group may be deeper than the rows); bf16 with a bf16 weight also
+    # where the backward kernel stores dweight itself (one group)
     from normspec import spec
 
     shapes = [(3, 3), (5, 6), (1, 3), (1003, 37), (8, 4), (64, 2), (64, 16), (64, 1),
@@ -350,7 +345,7 @@ def test_every_bf16_gate_through_the_gate_table(params, hidden, wdtype, reps):
     convention as constants (one per convention and weight dtype). The transformers
     convention with a bf16 weight also runs with that weight scaled by 2**-126, 2**-133
     and 2**127, so that its products with the weight (packed bf16 ones in the forward's
-    GT form 5 and the backward's GC 7, unless ``NORMSPEC_GATED_BWD_PACKED_W=0``) are
+    GT form 5 and the backward's GC 7) are
     subnormal, zero or overflow. Four times as many rows (``x4``) give the backward's plan
     dweight groups of two rows on an H200, and so the two-rows-a-team kernel
     (``normspec_gated_bwd_pair_kernel``, whose table lookups take two gates at once); at
@@ -392,10 +387,9 @@ def cuda_kernel_names(fn, attempts: int = 3) -> list[str]:
     ``fn()`` runs between two marker kernels, each followed by a synchronize, and only
     the records between the two markers count. CUPTI before CUDA 13.1 can hand a
     session records of kernels that ran before it (with corrupt timestamps) and drop the
-    session's first records (pytorch/pytorch#192021; CUPTI 13.1 release notes); the
-    device's CUDA 13.0 showed both at once in a full ``-m cuda`` run at ba25a44 (six
-    tests saw an earlier test's cast and tree kernels and not their own). A session whose records
-    lack either marker is run again, up to ``attempts`` times; none is read as empty."""
+    session's first records (pytorch/pytorch#192021; CUPTI 13.1 release notes), both at
+    once in a full ``-m cuda`` run on CUDA 13.0. A session whose records lack either marker
+    is run again, up to ``attempts`` times; none is read as empty."""
     from torch.profiler import ProfilerActivity, profile
 
     seen = []
@@ -428,16 +422,14 @@ def cuda_kernel_names(fn, attempts: int = 3) -> list[str]:
 @pytest.mark.parametrize("per_team", [1, 2, 8], ids=lambda n: f"rows{n}xteams")
 def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra, per_team):
     """The gate-table backward with the saved rstd runs the kernels with the convention
-    as constants: by default the two-rows-a-team kernel
-    (``normspec_gated_bwd_pair_kernel``), with ``NORMSPEC_GATED_BWD_PAIR=0`` the pipelined
-    kernel's GC forms. With as many rows as the device holds teams, twice and eight times
+    as constants, the two-rows-a-team kernel (``normspec_gated_bwd_pair_kernel``). With as
+    many rows as the device holds teams, twice and eight times
     as many, the plan's dweight groups have two, four and sixteen rows (glog 1: every
     pair is a group; 2 and 4: the stack's levels), and the last group is part full (odd,
     too): its inactive rows must neither be stored nor reach dweight. The spec's bits,
     and the profiler shows that kernel ran (for the transformers convention with a bf16
-    weight GC 7, or GC 3 with ``NORMSPEC_GATED_BWD_PACKED_W=0``). (2**20 elements, the
-    other tests' size, plan glog 0 on an H200: groups of one row, the pipelined kernel.)"""
-    import os
+    weight GC 7). (2**20 elements, the other tests' size, plan glog 0 on an H200: groups of
+    one row, the pipelined kernel.)"""
     import re
 
     if per_team == 8 and (params["convention"] != "vllm" or wdtype != torch.float32):
@@ -456,46 +448,10 @@ def test_gate_table_backward_over_dweight_groups(params, hidden, wdtype, extra, 
     names = cuda_kernel_names(lambda: ext_backward("rms_norm_gated", [cdy], crows, cw, EPS,
                                                    params, rstd=rstd))
     gc = 0 if params["convention"] == "vllm" else 1 if wdtype == torch.float32 else 7
-    if gc == 7 and os.environ.get("NORMSPEC_GATED_BWD_PACKED_W") == "0":
-        gc = 3
-    if os.environ.get("NORMSPEC_GATED_BWD_PAIR") == "0":
-        gc_kernel = re.compile(
-            rf"normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, {team_log}, (true|1), {gc}>")
-    else:
-        gc_kernel = re.compile(
-            rf"normspec_gated_bwd_pair_kernel<__nv_bfloat16, {team_log}, {gc}>")
+    gc_kernel = re.compile(rf"normspec_gated_bwd_pair_kernel<__nv_bfloat16, {team_log}, {gc}>")
     assert any(gc_kernel.search(n) for n in names), names
 
 
-def child_pytest_with(switches: dict[str, str], selection: str) -> None:
-    """Run this file's tests that ``-k selection`` picks in a child pytest whose
-    environment adds ``switches`` (the launcher reads its switches once per process);
-    assert that some ran and all passed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-         "-k", selection],
-        env={**os.environ, **switches}, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:]
-
-
-def test_gate_table_backward_one_row_a_team():
-    """With ``NORMSPEC_GATED_BWD_PAIR=0`` the gate-table backward runs the pipelined
-    kernel's convention-constant forms: the dweight-group test above, in a child process
-    with the switch."""
-    child_pytest_with({"NORMSPEC_GATED_BWD_PAIR": "0"}, "over_dweight_groups")
-
-
-def test_gate_table_backward_without_packed_products():
-    """With ``NORMSPEC_GATED_BWD_PACKED_W=0`` the transformers convention's gate-table
-    backward with a bf16 weight runs GC 3 (its products in fp32, rounded): the two tests
-    above, for those cases, in a child process with the switch."""
-    child_pytest_with({"NORMSPEC_GATED_BWD_PACKED_W": "0"},
-                     "(every_bf16_gate_through or over_dweight_groups) and hf and w16")
 
 
 @pytest.mark.parametrize("hidden", [24, 128, 2048, 5000])
@@ -509,7 +465,6 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     with and without the saved rstd) and the backward is a single kernel: the one-row
     rms kernel where the row fills a constant geometry (H = 128 and 2048), else the
     pipelined kernel."""
-    import os
     import re
 
     check_case(op, params, (1, hidden), dtype, dtype, hidden, specials=True)
@@ -520,8 +475,8 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
     *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
     row_kernel = op == "rms_norm" and hidden in (128, 2048)
     kernel = "normspec_bwd_row_kernel" if row_kernel else "normspec_bwd_pipe_kernel"
-    # the 2048-wide row in 256 threads of one pass, unless NORMSPEC_BWD_ROW_WIDE=0
-    wide = row_kernel and hidden == 2048 and os.environ.get("NORMSPEC_BWD_ROW_WIDE") != "0"
+    # the 2048-wide row in 256 threads of one pass
+    wide = row_kernel and hidden == 2048
     form = re.compile(r"normspec_bwd_row_kernel<[^,]+, 1, 8," if wide else kernel)
     for saved in (None, rstd):
         names = cuda_kernel_names(lambda saved=saved: ext_backward(op, cgrads, crows, cw, EPS,
@@ -529,27 +484,15 @@ def test_one_row_backward_is_one_launch(op, params, dtype, hidden):
         assert len(names) == 1 and form.search(names[0]), names
 
 
-def test_one_row_backward_narrow():
-    """With ``NORMSPEC_BWD_ROW_WIDE=0`` the one-row rms backward of rows of 2048 16-bit
-    values runs as 128 threads of two passes: the test above (bits and kernel) for those
-    rows, in a child process with the switch."""
-    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "0"},
-                      "one_row_backward_is_one_launch and 2048 and rms_norm")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_one_row_backward_form_by_rows(dtype):
     """One-row dweight groups of rows of 2048: 256 threads of one pass while the blocks fit
-    the device at once (at most 8 per SM), 128 threads of two passes past that (with
-    ``NORMSPEC_BWD_ROW_WIDE=2``, 256 threads of one pass there too); the spec's bits
-    either way, with and without the saved rstd."""
-    import os
+    the device at once (at most 8 per SM), 128 threads of two passes past that; the
+    spec's bits either way, with and without the saved rstd."""
     import re
 
-    set_here = GEOMETRY_VARIABLES & set(os.environ)
-    any_rows = os.environ.get("NORMSPEC_BWD_ROW_WIDE") == "2"
-    if set_here - ({"NORMSPEC_BWD_ROW_WIDE"} if any_rows else set()):
-        pytest.skip("a launcher switch or geometry override is set")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     op, params = VARIANTS[1]  # rms_norm, offset 1
     # 15 x SMs rows: still one row a dweight group (the plan's first level comes at
@@ -561,7 +504,7 @@ def test_one_row_backward_form_by_rows(dtype):
         crows = {k: v.cuda() for k, v in inputs.items()}
         cw, cgrads = weight.cuda(), [g.cuda() for g in grads]
         *_, rstd = ext_forward_with_rstd(op, crows, cw, EPS, params)
-        form = r", 1, 8," if any_rows or rows <= 8 * sms else r", 2, 7,"
+        form = r", 1, 8," if rows <= 8 * sms else r", 2, 7,"
         for saved in (None, rstd):
             names = cuda_kernel_names(lambda c=(cgrads, crows, cw), saved=saved: ext_backward(
                 op, *c, EPS, params, rstd=saved))
@@ -570,83 +513,9 @@ def test_one_row_backward_form_by_rows(dtype):
                 r"normspec_bwd_row_kernel<[^,]+" + form, kernels[0]), (rows, names)
 
 
-def test_one_row_backward_wide_at_any_rows():
-    """With ``NORMSPEC_BWD_ROW_WIDE=2`` (an experiment) the one-row rms backward of rows of
-    2048 runs as 256 threads of one pass past the default bound too: the test above (bits
-    and kernel), in a child process with the switch."""
-    child_pytest_with({"NORMSPEC_BWD_ROW_WIDE": "2"}, "one_row_backward_form_by_rows")
 
 
-# ---- the pipelined kernels under every geometry override ------------------------------
-# The overrides are read once per process, so each setting runs in a child process.
-OVERRIDE_CHILD = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import torch
-import test_torch_ext_cuda as t
-from _torch_ext_cases import VARIANTS
-t.te.build()
-for shape in [(1000, 2048), (20000, 128), (333, 1003), (77, 4100), (4097, 8)]:
-    for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9], VARIANTS[3]):
-        t.check_case(op, params, shape, torch.bfloat16, torch.float32, 5, specials=True)
-t.check_case("rms_norm", {"offset": 0.0}, (3000, 512), torch.float32, torch.float32, 6,
-             specials=True)
-# a weight of the input's dtype and few rows: under a forced glog, one dweight group
-# deeper than the rows, which the backward kernel stores as dweight itself
-for shape in [(1, 256), (3, 2048), (31, 128)]:
-    for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
-        t.check_case(op, params, shape, torch.bfloat16, torch.bfloat16, 7, specials=True)
-t.test_negative_zero_padding()
-print("ok")
-"""
-
-OVERRIDES = [
-    {"NORMSPEC_BWD_GLOG": "5"},
-    {"NORMSPEC_BWD_GLOG": "7"},  # deeper than the plan goes: up to the opt-in limit
-    {"NORMSPEC_BWD_GLOG": "2", "NORMSPEC_FWD_TEAM": "64", "NORMSPEC_BWD_TEAM": "64"},
-    {"NORMSPEC_FWD_TEAM": "128", "NORMSPEC_BWD_TEAM": "32", "NORMSPEC_BWD_GLOG": "0"},
-    {"NORMSPEC_FWD_TEAM": "4", "NORMSPEC_BWD_TEAM": "8"},
-    {"NORMSPEC_PIPE": "0"},
-    {"NORMSPEC_FWD_ROW": "0"},
-    {"NORMSPEC_FULL_ROW": "0"},
-    {"NORMSPEC_FWD_TEAM": "8"},
-    {"NORMSPEC_SAVED_RSTD": "0"},
-    {"NORMSPEC_ROW_BLOCK": "32"},
-    {"NORMSPEC_ROW_BLOCK": "64", "NORMSPEC_FWD_TEAM": "2"},
-    {"NORMSPEC_ROW_BLOCK_SPREAD": "1"},  # few rows of warp teams: 64-thread blocks
-    {"NORMSPEC_ROW_QUAD": "0"},  # few rows of 256 and 128: the warp teams, not the quad form
-    {"NORMSPEC_TREE_LAST": "0"},  # dweight's tree tail: levels to one row, then .to()
-    {"NORMSPEC_GATED_ROW_TABLE": "0"},  # the gated forward's table per block (persistent)
-    {"NORMSPEC_BWD_ROW": "0"},  # the pipelined rms backward also for one-row groups
-    {"NORMSPEC_BWD_ROW_WIDE": "0"},  # 1000 and 3 rows of 2048: the one-row kernel, 128 x 2
-    {"NORMSPEC_BWD_ROW_WIDE": "2"},  # the same, 256 x 1 at any row count
-]
-
-
-#: Every variable the overrides above set.
-GEOMETRY_VARIABLES = frozenset(k for env in OVERRIDES for k in env)
-
-
-@pytest.mark.parametrize("env", OVERRIDES, ids=lambda e: ",".join(f"{k[9:]}={v}"
-                                                                   for k, v in e.items()))
-def test_geometry_overrides_bitwise(env):
-    """Every team size, pass count and dweight group size gives the spec's bits (the
-    persistent loop, the prefetch across rows and groups, and the shared-memory stacks
-    all run: these shapes have more rows than the grid has teams)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", OVERRIDE_CHILD, tests], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
-        f"{env}: rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    assert "ignoring" not in done.stderr, done.stderr[-2000:]
-
-
-# ---- the gated forward's gate table in global memory (NORMSPEC_GATED_ROW_TABLE) ----------
+# ---- the gated forward's gate table in global memory --------------------------------------
 ROW_TABLE_CHILD = r"""
 import os
 import re
@@ -678,39 +547,25 @@ for _, params in [v for v in VARIANTS if v[0] == "rms_norm_gated"]:
         t.assert_bits(out[0], want[0], f"graph {params}")
     names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows, cw, t.EPS,
                                                       params))
-    if os.environ.get("NORMSPEC_GATED_ROW_TABLE") == "0":
-        kernel = re.compile(r"normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 4>")
-    else:
-        # the vllm convention's own form unless NORMSPEC_GT_VLLM_FORM=0; the transformers
-        # convention's with its constants (2: this fp32 weight) unless NORMSPEC_GT_HF_FORM=0
-        if params["convention"] == "vllm":
-            own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
-            form = "(true|1)" if own else "(false|0)"
-        else:
-            form = "(false|0)" if os.environ.get("NORMSPEC_GT_HF_FORM") == "0" else "2"
-        kernel = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {form}>")
+    # the vllm convention's own form (1); the transformers convention's with its constants
+    # (2: this fp32 weight)
+    form = "(true|1)" if params["convention"] == "vllm" else "2"
+    kernel = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {form}>")
     assert any(kernel.search(n) for n in names), names
     got = t.ext_forward("rms_norm_gated", crows, cw, t.EPS, params)
     t.assert_bits(got[0], want[0], f"every gate {params}")
-    # a bf16 weight, which the kernels read as it is (F_W_RAW: launches that set their
-    # flags apart from the weight's pointer have read it as fp32, notes/perf.md §22, §25)
+    # a bf16 weight, which the kernels read as it is (F_W_RAW: a launch that set its flags
+    # apart from the weight's pointer could read it as fp32)
     got = t.ext_forward("rms_norm_gated", crows, cw.to(torch.bfloat16), t.EPS, params)
     t.assert_bits(got[0], t.spec_forward("rms_norm_gated", rows, w.to(torch.bfloat16), t.EPS,
                                          params)[0], f"bf16 weight {params}")
-    # a weight of the input dtype: the hf form with its product in packed bf16 (5), or with
-    # NORMSPEC_GT_HF_PACKED_W=0 the one with F_W_IS_INPUT as a constant (3); the vllm form
-    # with F_W_RAW as a constant (4), or with NORMSPEC_GT_VLLM_W_RAW=0 form 1
-    if params["convention"] == "hf":
-        own = os.environ.get("NORMSPEC_GT_HF_FORM") != "0"
-        w16_form = "3" if os.environ.get("NORMSPEC_GT_HF_PACKED_W") == "0" else "5"
-    else:
-        own = os.environ.get("NORMSPEC_GT_VLLM_FORM") != "0"
-        w16_form = "(true|1)" if os.environ.get("NORMSPEC_GT_VLLM_W_RAW") == "0" else "4"
-    if own and os.environ.get("NORMSPEC_GATED_ROW_TABLE") != "0":
-        names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
-                                                          cw.to(torch.bfloat16), t.EPS, params))
-        w16 = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {w16_form}>")
-        assert any(w16.search(n) for n in names), names
+    # a weight of the input dtype: the hf form with its product in packed bf16 (5); the
+    # vllm form with F_W_RAW as a constant (4)
+    w16_form = "5" if params["convention"] == "hf" else "4"
+    names = t.cuda_kernel_names(lambda: t.ext_forward("rms_norm_gated", crows,
+                                                      cw.to(torch.bfloat16), t.EPS, params))
+    w16 = re.compile(rf"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, (true|1), {w16_form}>")
+    assert any(w16.search(n) for n in names), names
     if params["convention"] == "hf":
         # bf16 weights whose products with the rounded xhat leave the normal range: bf16
         # subnormals, zeros of either sign, overflow (form 5's packed product, and every
@@ -742,24 +597,16 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("row_table", ["default", "0", "vllm_form_0", "hf_form_0",
-                                       "vllm_w_raw_0", "hf_packed_w_0"])
-def test_gated_forward_every_gate_per_table(row_table):
+def test_gated_forward_every_gate_per_table():
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
-    spec's bits through the large gated forward: by default the one-row kernel with the
-    gate table in global memory (the vllm convention in a form of its own, or in the form
-    of both with ``NORMSPEC_GT_VLLM_FORM=0``; the transformers convention in a form with
-    its constants, or in the form of both with ``NORMSPEC_GT_HF_FORM=0``; the vllm form for
-    a weight read in the input dtype with that as a constant, or without with
-    ``NORMSPEC_GT_VLLM_W_RAW=0``; the hf form's weight product in packed bf16, or in
-    fp32 with ``NORMSPEC_GT_HF_PACKED_W=0``, also for weights whose products are
-    subnormal, zero or overflow), with
-    ``NORMSPEC_GATED_ROW_TABLE=0`` the persistent kernel with a table per block (the
-    profiler shows which kernel ran); the same holds for a bf16 weight, for a tail of
-    fewer rows than a warp's teams, for rows apart in memory and for the forward that
-    saves rstd; and a first use inside a CUDA graph
-    capture (where the global table is not filled, so the capture holds the persistent
-    kernel) gives them too."""
+    spec's bits through the large gated forward: the one-row kernel with the gate table in
+    global memory (each convention in a form of its own, the transformers convention's
+    weight product in packed bf16 for a bf16 weight, also for weights whose products are
+    subnormal, zero or overflow; the profiler shows which kernel ran); the same holds for a
+    bf16 weight, for a tail of fewer rows than a warp's teams, for rows apart in memory
+    and for the forward that saves rstd; and a first use inside a CUDA graph capture
+    (where the global table is not filled, so the capture holds the persistent kernel with
+    a table per block) gives them too."""
     import os
     import subprocess
     import sys
@@ -768,109 +615,66 @@ def test_gated_forward_every_gate_per_table(row_table):
     tests = str(Path(__file__).resolve().parent)
     # eager module loading: no kernel is first loaded inside the capture
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER"}
-    env.pop("NORMSPEC_GATED_ROW_TABLE", None)
-    env.pop("NORMSPEC_GT_VLLM_FORM", None)
-    env.pop("NORMSPEC_GT_HF_FORM", None)
-    env.pop("NORMSPEC_GT_VLLM_W_RAW", None)
-    env.pop("NORMSPEC_GT_HF_PACKED_W", None)
-    if row_table == "vllm_form_0":
-        env["NORMSPEC_GT_VLLM_FORM"] = "0"
-    elif row_table == "hf_form_0":
-        env["NORMSPEC_GT_HF_FORM"] = "0"
-    elif row_table == "vllm_w_raw_0":
-        env["NORMSPEC_GT_VLLM_W_RAW"] = "0"
-    elif row_table == "hf_packed_w_0":
-        env["NORMSPEC_GT_HF_PACKED_W"] = "0"
-    elif row_table != "default":
-        env["NORMSPEC_GATED_ROW_TABLE"] = row_table
     done = subprocess.run([sys.executable, "-c", ROW_TABLE_CHILD, tests], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
-        f"{row_table}: rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 
 
 # ---- the dweight tree's tail ------------------------------------------------------------
-# With NORMSPEC_BWD_GLOG=0 each row is its own dweight group, so the row count sets the
-# tree's width G; the child checks the bits and the launches after the backward kernel.
-TREE_CHILD = r"""
-import os
-import sys
-sys.path.insert(0, sys.argv[1])
-import torch
-import test_torch_ext_cuda as t
-from _torch_ext_cases import assert_bits
-from normspec import spec
-t.te.build()
-
-def levels_before_the_last(g):
+def _levels_before_the_last(g: int) -> int:
+    """The 16-row tree levels that take ``g`` workspace rows down to at most 256."""
     n = 0
     while g > 256:
         c = min(1 << (g - 1).bit_length(), 16)
         g, n = -(-g // c), n + 1
     return n
 
-final = os.environ.get("NORMSPEC_DW_FINAL") != "0"
-row_kernel = os.environ.get("NORMSPEC_BWD_ROW") != "0"
-gen = torch.Generator().manual_seed(7)
-for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
-    for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
-                                  (torch.bfloat16, torch.float32, 256),
-                                  (torch.float16, torch.float16, 24),
-                                  (torch.float32, torch.float32, 64)):
-        x = torch.randn(rows, hidden, generator=gen).to(dtype)
-        dy = torch.randn(rows, hidden, generator=gen).to(dtype)
-        w = torch.randn(hidden, generator=gen).to(wdtype)
-        want = spec.rms_norm_backward(dy, x, w, eps=1e-6)
-        xc, dyc, wc = x.cuda(), dy.cuda(), w.cuda()
-        got = torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)
-        what = f"rows={rows} {dtype}/{wdtype} H={hidden}"
-        for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
-            assert_bits(g, ww, f"{name} {what}")
-        names = t.cuda_kernel_names(
-            lambda: torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0))
-        main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
-        assert len(main) == 1, (what, names)
-        # one-row groups (the forced glog 0) of a full 32-lane row: the one-row kernel
-        if dtype == torch.bfloat16 and hidden == 256:
-            assert ("bwd_row" in names[main[0]]) == row_kernel, (what, names)
-        tail = names[main[0] + 1:]
-        n_level = levels_before_the_last(rows)
-        # one row: an fp32 weight's dweight is the workspace row; a 16-bit weight of
-        # the input's dtype is stored by the backward kernel (unless NORMSPEC_DW_FINAL=0)
-        one_launch = wdtype == torch.float32 or (wdtype == dtype and final)
-        last = [] if rows == 1 and one_launch else ["col_tree_last"]
-        want_tail = ["normspec_col_tree_kernel"] * n_level + last
-        assert len(tail) == len(want_tail) and all(
-            k in n for k, n in zip(want_tail, tail)), (what, names)
-print("ok")
-"""
 
-
-@pytest.mark.parametrize("old_paths", [{}, {"NORMSPEC_DW_FINAL": "0"}, {"NORMSPEC_PDL": "0"},
-                                       {"NORMSPEC_BWD_ROW": "0"}],
-                         ids=["default", "dw_final_off", "pdl_off", "row_kernel_off"])
-def test_backward_ends_with_one_tree_kernel(old_paths):
+def test_backward_ends_with_one_tree_kernel():
     """dweight's last tree levels and its cast to the weight's dtype are one launch:
     after the backward kernel come only the 16-row levels that take the groups down to
-    at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none for one row with
-    an fp32 weight, whose workspace row is the answer, or a weight of the 16-bit
-    input's dtype, which the backward kernel stores itself unless
-    ``NORMSPEC_DW_FINAL=0``); the bits equal the spec's at every tree width, with the
-    tree's launches chained (programmatic dependent launch) or not (``NORMSPEC_PDL=0``), and
-    with the pipelined kernel instead of the one-row rms backward kernel
-    (``NORMSPEC_BWD_ROW=0``) where the row fills its constant geometry (bf16, H = 256)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    at most 256 rows, then one ``normspec_col_tree_last_kernel`` (none for one group with
+    an fp32 weight, whose workspace row is the answer, or with a weight of the 16-bit
+    input's dtype, which the backward kernel stores itself); the bits equal the spec's at
+    every tree width. The tree's width is the plan's dweight groups (the CuPy backend's
+    mirror of the launcher's plan, which tests/test_cupy_nvrtc.py holds to the C++ one);
+    bf16 rows of 256 with one-row groups run the one-row rms kernel."""
+    from normspec import spec
+    from normspec.backends import cupy_backend as cb
 
-    tests = str(Path(__file__).resolve().parent)
-    # only the forced glog: another geometry override could keep rows off the
-    # pipelined backward, where the forced glog applies
-    cleared = GEOMETRY_VARIABLES | {"NORMSPEC_DW_FINAL", "NORMSPEC_PDL"}
-    env = {k: v for k, v in os.environ.items() if k not in cleared}
-    done = subprocess.run([sys.executable, "-c", TREE_CHILD, tests],
-                          env={**env, "NORMSPEC_BWD_GLOG": "0", **old_paths},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
-        f"rc={done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    props = torch.cuda.get_device_properties(0)
+    sms, optin = props.multi_processor_count, props.shared_memory_per_block_optin
+    codes = {torch.float32: cb.DT_F32, torch.bfloat16: cb.DT_BF16, torch.float16: cb.DT_F16}
+    gen = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
+        for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
+                                      (torch.bfloat16, torch.float32, 256),
+                                      (torch.float16, torch.float16, 24),
+                                      (torch.float32, torch.float32, 64)):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+            w = torch.randn(hidden, generator=gen).to(wdtype)
+            want = spec.rms_norm_backward(dy, x, w, eps=1e-6)
+            xc, dyc, wc = x.cuda(), dy.cuda(), w.cuda()
+            got = torch.ops.normspec.rms_norm_backward(dyc, xc, wc, 1e-6, 0.0)
+            what = f"rows={rows} {dtype}/{wdtype} H={hidden}"
+            for name, g, ww in zip(("dx", "dweight"), got, want, strict=True):
+                assert_bits(g, ww, f"{name} {what}")
+            names = cuda_kernel_names(
+                lambda xc=xc, dyc=dyc, wc=wc: torch.ops.normspec.rms_norm_backward(
+                    dyc, xc, wc, 1e-6, 0.0))
+            main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
+            assert len(main) == 1, (what, names)
+            _tl, _np, glog, groups = cb.pipe_backward_plan(codes[dtype], rows, hidden, sms,
+                                                           optin)
+            if dtype == torch.bfloat16 and hidden == 256:
+                assert ("bwd_row" in names[main[0]]) == (glog == 0), (what, names)
+            tail = names[main[0] + 1:]
+            # one group: an fp32 weight's dweight is the workspace row; a 16-bit weight of
+            # the input's dtype is stored by the backward kernel
+            one_launch = wdtype == torch.float32 or wdtype == dtype
+            last = [] if groups == 1 and one_launch else ["col_tree_last"]
+            want_tail = ["normspec_col_tree_kernel"] * _levels_before_the_last(groups) + last
+            assert len(tail) == len(want_tail) and all(
+                k in n for k, n in zip(want_tail, tail, strict=True)), (what, names)

@@ -116,13 +116,12 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
   const at::TensorOptions fopts = x.options().dtype(at::kFloat);
   at::Tensor ws = at::empty({plan.groups, a.H}, fopts);
   long long G = plan.groups;
-  const long long last_max = col_tree_last_rows();  // 0: NORMSPEC_TREE_LAST=0
-  // tree kernels follow unless one fp32 row is the answer (or only .to() follows)
+  // tree kernels follow unless one fp32 row is the answer
   const bool fp32_weight = weight.scalar_type() == at::kFloat;
-  const bool tree_follows = last_max > 0 ? !(G == 1 && fp32_weight) : G > 1;
+  const bool tree_follows = !(G == 1 && fp32_weight);
   if (tree_follows && chained_launches(stream)) a.flags |= F_LET_DEPENDENTS;
   C10_CUDA_CHECK(launch_backward(op, dt, a, ws.data_ptr<float>(), plan, stream));
-  while (G > (last_max > 0 ? last_max : 1)) {
+  while (G > kColTreeLastMax) {
     const long long gout = col_tree_rows_out(G);
     at::Tensor out = at::empty({gout, a.H}, fopts);
     C10_CUDA_CHECK(launch_col_tree(ws.data_ptr<float>(), out.data_ptr<float>(), G, a.H, stream));
@@ -131,7 +130,6 @@ at::Tensor backward(int op, const at::Tensor& x, const at::Tensor& weight, Launc
   }
   // one fp32 row already is an fp32 weight's dweight
   if (G == 1 && fp32_weight) return ws.view({a.H});
-  if (last_max == 0) return ws.view({a.H}).to(weight.scalar_type());
   // the last levels and the cast to the weight's dtype: one launch
   at::Tensor dweight = at::empty({a.H}, x.options().dtype(weight.scalar_type()));
   C10_CUDA_CHECK(launch_col_tree_last(ws.data_ptr<float>(), dweight.data_ptr(),

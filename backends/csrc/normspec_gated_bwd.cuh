@@ -1,17 +1,15 @@
 // The gated norm's backward for the GDN shapes, two rows a team per iteration.
 //
 // normspec_bwd_pipe_kernel's gate-table constant forms (GC >= 0: bf16 rows of 128 or 256
-// elements, one 16-byte vector a lane, the forward's rstd saved) ran 470 M warp
-// instructions at 2**21 x 128 on the H200 against FLA's 341 M, and 344 M of ours were not
-// float work: per-row bookkeeping in 64 bits, row sets copied and masked, the weight
-// factors read from shared memory and the kernel parameters re-read every row, a
-// branch-laden dweight stack push per row (notes/perf.md §39,
-// bench/results/ncu/gated_bwd_sass_ours_H200.csv). FLA's loop takes two rows a lane per
-// iteration. This kernel is that shape for those launches only:
+// elements, one 16-byte vector a lane, the forward's rstd saved) spent most of their
+// instructions on other than float work: per-row bookkeeping in 64 bits, row sets copied
+// and masked, the weight factors read from shared memory and the kernel parameters
+// re-read every row, a branch-laden dweight stack push per row. FLA's loop takes two rows
+// a lane per iteration. This kernel is that shape for those launches only:
 //
 //   * a team (2**TL lanes, one vector each) computes two consecutive rows of its dweight
 //     group per iteration, while the next two rows' loads are in flight (two rows ahead,
-//     as NORMSPEC_BWD_DEPTH2 kept);
+//     as the pipelined kernel's GC forms keep);
 //   * the pair's dweight contributions meet in registers, add(c[j], c[j + 1]): the
 //     bottom level of the group's tree, the very sum the binary-counter stack forms
 //     there, so the stack in shared memory keeps glog - 1 levels and is touched once a
@@ -31,11 +29,7 @@
 // group tree), so the bits are the spec's exactly as there. Groups need at least two
 // rows (glog >= 1); the launcher keeps the pipelined kernel for glog 0.
 //
-// cuobjdump (sm_90a, the vllm form, rows of 128): 634 of the loop's SASS lie outside the
-// blocks for gates outside the table, for two rows, against 627 for one row in the
-// pipelined GC form. H200, bench/micro/small_backward_ab.cu at 2**21 x 128, 2 rounds, equal hashes
-// (bench/results/sweeps/gated_bwd_pair_15e99ac.json): 698.1 us against 766.2 (vllm),
-// 699.9 against 772.7 (hf); FLA's kernel took 719.2 in the bench (notes/perf.md §40).
+// It is about 10 % faster than the pipelined GC form at 2**21 x 128 on the H200.
 #pragma once
 
 #include "normspec_pipe.cuh"
@@ -219,7 +213,7 @@ __global__ void __launch_bounds__(256, 2)
   // the same in every lane of the warp). Each iteration computes rows j and j + 1 of the
   // team's group from c0 and c1 while the next pair's loads go to n0 and n1.
   // (The row sets trading roles, two pairs an iteration so that none is copied, ran no
-  // faster on the H200: 700.7 / 698.5 us against 698.1 / 699.9, vllm / hf, notes §40.)
+  // faster.)
   for (int g0 = lead, j = 0; g0 < groups;) {
     const GatedRowRaw c0 = n0, c1 = n1;
     const int gi = g0 + mine;

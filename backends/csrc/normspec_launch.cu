@@ -72,8 +72,6 @@ cudaError_t launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
 int current_device_sms() { return device_sms(); }
 
 bool chained_launches(cudaStream_t stream) {
-  static const bool enabled = !switched_off("NORMSPEC_PDL");
-  if (!enabled) return false;
   // per device: 1 when it runs the tree kernels from code built for sm_90 or later
   // (where they wait for the previous grid), -1 when not; 0 until asked
   static std::atomic<int> waits[64];
@@ -123,34 +121,23 @@ BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count)
 BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
   const int vec = vec_of(dtype);
   set_alignment(a, dtype == DT_F32 ? 4 : 2);
-  const PipeGeometry g = (a.flags & F_ALIGNED)
-                             ? pipe_geometry(a.H, vec, backward_team_override(), true)
-                             : PipeGeometry{};
+  const PipeGeometry g = (a.flags & F_ALIGNED) ? pipe_geometry(a.H, vec, true) : PipeGeometry{};
   if (g.np == 0) return backward_plan(dtype, a.rows, a.H, sm_count);
   BackwardPlan plan;
   plan.pipe = 1;
   plan.team_log = g.team_log;
   plan.np = g.np;
   const int ml = pipe_max_glog(g, vec, device_smem_optin());
-  const int forced = group_log_override();
-  if (forced >= 0) {
-    int cap = pipe_forced_glog_cap(g, vec, device_smem_optin());
-    // nor past the spec's padded row count: a group's +0.0 rows beyond it would turn a
-    // column's -0.0 sum into +0.0
-    while (cap > 0 && (1LL << cap) > next_pow2(a.rows)) --cap;
-    plan.glog = forced < cap ? forced : cap;
-  } else {
-    // the largest groups (least workspace traffic) that leave a group for at
-    // least half of the teams that fit on the device (measured on an H200:
-    // glog 5 > 4 > 3 > 2 at 32768 x 2048, by a few per cent each)
-    const long long teams = static_cast<long long>(sm_count) * (2048 / g.block()) *
-                            g.teams_per_block();
-    const long long prow = next_pow2(a.rows);
-    while (plan.glog < ml && (1LL << (plan.glog + 1)) <= prow) {
-      const long long R = 1LL << (plan.glog + 1);
-      if (2 * ((a.rows + R - 1) / R) < teams) break;
-      ++plan.glog;
-    }
+  // the largest groups (least workspace traffic) that leave a group for at least half of
+  // the teams that fit on the device, and never past the spec's padded row count (a
+  // group's +0.0 rows beyond it would turn a column's -0.0 sum into +0.0)
+  const long long teams = static_cast<long long>(sm_count) * (2048 / g.block()) *
+                          g.teams_per_block();
+  const long long prow = next_pow2(a.rows);
+  while (plan.glog < ml && (1LL << (plan.glog + 1)) <= prow) {
+    const long long R = 1LL << (plan.glog + 1);
+    if (2 * ((a.rows + R - 1) / R) < teams) break;
+    ++plan.glog;
   }
   const long long R = 1LL << plan.glog;
   plan.groups = (a.rows + R - 1) / R;
@@ -165,9 +152,7 @@ bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const Backward
 }
 
 bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan) {
-  static const bool enabled = !switched_off("NORMSPEC_DW_FINAL");
-  return enabled && plan.pipe != 0 && plan.groups == 1 && dtype != DT_F32 &&
-         weight_dtype == dtype;
+  return plan.pipe != 0 && plan.groups == 1 && dtype != DT_F32 && weight_dtype == dtype;
 }
 
 cudaError_t launch_forward(int op, int dtype, LaunchArgs a, cudaStream_t stream) {
@@ -204,11 +189,6 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   const long long gout = (G + C - 1) / C;
   const dim3 grid(grid_for(H, 256), static_cast<unsigned>(gout < 65535 ? gout : 65535));
   return launch_chained(normspec_col_tree_kernel, grid, dim3(256), stream, in, out, G, H, clog);
-}
-
-long long col_tree_last_rows() {
-  static const long long rows = switched_off("NORMSPEC_TREE_LAST") ? 0LL : kColTreeLastMax;
-  return rows;
 }
 
 ColTreeLast col_tree_last_logs(long long G) {

@@ -63,14 +63,13 @@ bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const Backward
 // Whether the backward kernel of `plan` stores dweight itself (a.flags | F_DW_FINAL,
 // ws then pointing at H values of the input dtype): one dweight group, a 16-bit input
 // and a weight of the same dtype, so the group's tree rounded to that dtype is
-// dweight and no tree or cast launch follows. Off with NORMSPEC_DW_FINAL=0 (read
-// once), for timing one against the other in one build.
+// dweight and no tree or cast launch follows.
 bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan);
 // Whether dweight's tree launches on `stream` are chained (programmatic dependent
 // launch: each may start while the kernel before it finishes, and waits on the GPU):
-// a device of compute capability 9.0 or later running kernels built for it, a stream
-// not being captured into a CUDA graph, and not NORMSPEC_PDL=0 (read once). Where they
-// are, the backward kernel before them is launched with F_LET_DEPENDENTS.
+// a device of compute capability 9.0 or later running kernels built for it, and a stream
+// not being captured into a CUDA graph. Where they are, the backward kernel before them
+// is launched with F_LET_DEPENDENTS.
 bool chained_launches(cudaStream_t stream);
 // Kernel launches on `stream`; they return cudaGetLastError() (cudaErrorInvalidValue
 // when a.w is needed and null). Without rows or columns they launch nothing and return
@@ -86,9 +85,6 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
 // The last levels of the tree and the cast in one launch, for G <= kColTreeLastMax:
 // out (H elements of dtype out_dtype, a Dtype) = the weight-dtype tree of in's G rows.
 constexpr long long kColTreeLastMax = 256;
-// kColTreeLastMax, or 0 with NORMSPEC_TREE_LAST=0 (levels down to one row, then a
-// cast, as before the one-launch tail: for timing one against the other in one build).
-long long col_tree_last_rows();
 // Its folds: 2**clog1 = min(16, next_pow2(G)) rows per segment, 2**slog segments.
 struct ColTreeLast {
   int clog1, slog;

@@ -38,20 +38,11 @@
 namespace normspec {
 
 // ---- raw 16-byte vectors --------------------------------------------------------
-// NORMSPEC_PACKED_CVT (build time, default 1): 16-bit rows are rounded two values per
-// instruction (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, F2FP...PACK_AB) where a kernel
-// rounds a whole vector: the stores, the fused op's rounded residual sum (and its
-// gradient), and the transformers convention's roundings in the gated forward and in
-// the gated backward's constant forms. Each half is rounded to nearest as by the
-// one-value cvt, so the bits are the same; the pairs halve the conversions, which run
-// at a fraction of the FP32 rate. =0 rounds one value per instruction (the A/B in
-// bench/micro/row_forward_ab.cu and small_backward_ab.cu). On the H200 the gated
-// forward's GT kernel went from 32 F2F + 8 F2FP to 24 F2FP, and 2^21 x 128 from 390.9
-// to 379.6 us (hf; 394.4 -> 382.3 on normal inputs) and 378.9 to 376.7 (vllm); rms
-// 32768 x 2048 68.5 -> 67.0; no case slower (bench/results/sweeps/packed_cvt.json).
-#ifndef NORMSPEC_PACKED_CVT
-#define NORMSPEC_PACKED_CVT 1
-#endif
+// 16-bit rows are rounded two values per instruction (cvt.rn.bf16x2.f32 /
+// cvt.rn.f16x2.f32) where a kernel rounds a whole vector: the stores, the fused op's
+// rounded residual sum (and its gradient), and the transformers convention's roundings in
+// the gated kernels. Each half is rounded to nearest as by the one-value cvt, so the bits
+// are the same; the pairs halve the conversions, which run at a fraction of the FP32 rate.
 template <typename T>
 struct RawBits;
 
@@ -77,11 +68,7 @@ struct RawBits16 {
   static __device__ __forceinline__ unsigned int put(float v) { return DevIO<T>::to_bits(v); }
   // two values as one word, lo in the low half (round_pairs)
   static __device__ __forceinline__ unsigned int put2(float lo, float hi) {
-#if NORMSPEC_PACKED_CVT
     return DevIO<T>::to_bits2(lo, hi);
-#else
-    return put(lo) | (put(hi) << 16);
-#endif
   }
   static __device__ __forceinline__ unsigned int elem(const T* p) {
     return *reinterpret_cast<const unsigned short*>(p);
@@ -93,93 +80,22 @@ struct RawBits<__nv_bfloat16> : RawBits16<__nv_bfloat16> {};
 template <>
 struct RawBits<__half> : RawBits16<__half> {};
 
-// The rows' 16-byte stores are plain (STG.E.128), as triton's kernels have them; the loads
-// were plain (LDG.E.128) too until they took the L2 evict_last policy below.
-// NORMSPEC_STREAMING_HINTS=1 (a build-time macro, for the A/B in
-// bench/micro/row_forward_ab.cu) gives them the streaming (evict-first) hint instead,
-// __ldcs / __stcs: LDG.E.EF.128 / STG.E.EF.128, as before d9aea9e. On the H200 the
-// plain forms are 4-7 % faster on every large forward (q/k 524288 x 256 140.6 -> 132.5
-// us, gated 2^21 x 128 vllm 423.9 -> 396.9, rms 65536 x 2048 138.6 -> 131.5) and 3 %
-// slower on rms 4096 x 2048 (13.9 -> 14.4; bench/results/sweeps/
-// streaming_hints_depth2.json). Plain also leaves a norm's output in L2 for the layer
-// that reads it next.
-//
-// NORMSPEC_L2_POLICY=1|2|3|4 (build-time, for the same A/B; not with the hints): the
-// loads and stores carry an L2 cache policy instead (createpolicy +
-// ld/st.global.L2::cache_hint): evict_first, evict_last, evict_normal, or evict_last
-// for half of the lines (fraction 0.5, the rest unchanged). NORMSPEC_L2_LOAD_POLICY and
-// NORMSPEC_L2_STORE_POLICY set the loads' and the stores' alone (0: plain), to tell
-// which side a policy helps. A policy is a register operand, so unlike the hints one
-// kernel could take it per launch. On the H200 (bench/results/sweeps/
-// l2_policy_forward.json) evict_last was 1-2 % faster on the large forwards and 5-9 %
-// on the small ones, but slower on rms 4096 x 2048 (14.5 -> 15.0 us), where evict_first
-// was faster (14.05), as the hints were.
-#ifndef NORMSPEC_STREAMING_HINTS
-#define NORMSPEC_STREAMING_HINTS 0
-#endif
-// By default the loads carry evict_last and the stores are plain (LOAD_POLICY 2): that
-// was the fastest on every forward but the gated hf one (level) in
-// bench/results/sweeps/l2_policy_sides.json (rms 4096 x 2048 14.48 -> 13.17 us, q/k
-// 524288 x 256 132.38 -> 129.97, rms 65536 x 2048 131.62 -> 129.44), and level or faster
-// on the rms backward but for 0.1-0.2 us on 1 and 64 rows (l2_policy_backward.json).
-// Before sm_80 (no createpolicy) the loads are plain.
-#ifndef NORMSPEC_L2_POLICY
-#define NORMSPEC_L2_POLICY 0
-#define NORMSPEC_L2_LOAD_DEFAULT (NORMSPEC_STREAMING_HINTS ? 0 : 2)
-#else
-#define NORMSPEC_L2_LOAD_DEFAULT NORMSPEC_L2_POLICY
-#endif
-#ifndef NORMSPEC_L2_LOAD_POLICY
-#define NORMSPEC_L2_LOAD_POLICY NORMSPEC_L2_LOAD_DEFAULT
-#endif
-#ifndef NORMSPEC_L2_STORE_POLICY
-#define NORMSPEC_L2_STORE_POLICY NORMSPEC_L2_POLICY
-#endif
-#if (NORMSPEC_L2_LOAD_POLICY || NORMSPEC_L2_STORE_POLICY) && NORMSPEC_STREAMING_HINTS
-#error "NORMSPEC_L2_POLICY and NORMSPEC_STREAMING_HINTS are alternatives"
-#endif
-// NORMSPEC_L2_PREFETCH=64|128|256 (build-time, for the A/B; with the load policy): the
-// policy loads also ask L2 to fetch that aligned block around the line
-// (ld...L2::256B), so that a row of 256 bytes comes from DRAM in one request. 0 (the
-// default): no prefetch size. On the H200 the gated forward took 4-5 us longer with 256
-// (372.2 -> 377.2 us, vllm) and the same with 128 (bench/results/sweeps/l2_prefetch.json).
-#ifndef NORMSPEC_L2_PREFETCH
-#define NORMSPEC_L2_PREFETCH 0
-#endif
-#if NORMSPEC_L2_PREFETCH == 0
-#define NORMSPEC_L2_PREFETCH_QUAL ""
-#elif NORMSPEC_L2_PREFETCH == 64
-#define NORMSPEC_L2_PREFETCH_QUAL ".L2::64B"
-#elif NORMSPEC_L2_PREFETCH == 128
-#define NORMSPEC_L2_PREFETCH_QUAL ".L2::128B"
-#elif NORMSPEC_L2_PREFETCH == 256
-#define NORMSPEC_L2_PREFETCH_QUAL ".L2::256B"
-#else
-#error "NORMSPEC_L2_PREFETCH: 0, 64, 128 or 256"
-#endif
-template <int LEVEL>
+// The rows' 16-byte loads carry the L2 evict_last cache policy (createpolicy +
+// ld.global.L2::cache_hint), which measured fastest on the forwards and level or faster
+// on the backwards against plain loads, the streaming hints and the other policies; before
+// sm_80 (no createpolicy) they are plain. The stores are plain (STG.E.128), which also
+// leaves a norm's output in L2 for the layer that reads it next.
 __device__ __forceinline__ unsigned long long row_l2_policy() {
-  static_assert(LEVEL >= 1 && LEVEL <= 4, "NORMSPEC_L2_*POLICY: 0..4");
   unsigned long long pol;
-  if constexpr (LEVEL == 1)
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  else if constexpr (LEVEL == 2)
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  else if constexpr (LEVEL == 3)
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-  else
-    asm("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, 0.5;"
-        : "=l"(pol));
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
-#if NORMSPEC_STREAMING_HINTS
-  return __ldcs(p);
-#elif NORMSPEC_L2_LOAD_POLICY && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   uint4 v;
-  asm("ld.global.L2::cache_hint" NORMSPEC_L2_PREFETCH_QUAL ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(row_l2_policy<NORMSPEC_L2_LOAD_POLICY>()));
+      : "l"(p), "l"(row_l2_policy()));
   return v;
 #else
   // plain ld.global (LDG.E.128), as triton's loads; a dereference would take the
@@ -191,19 +107,7 @@ __device__ __forceinline__ uint4 load_row_vector(const uint4* p) {
   return v;
 #endif
 }
-__device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) {
-#if NORMSPEC_STREAMING_HINTS
-  __stcs(p, v);
-#elif NORMSPEC_L2_STORE_POLICY && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
-               :
-               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w),
-                 "l"(row_l2_policy<NORMSPEC_L2_STORE_POLICY>())
-               : "memory");
-#else
-  *p = v;
-#endif
-}
+__device__ __forceinline__ void store_row_vector(uint4* p, uint4 v) { *p = v; }
 
 // VEC elements of a row from col (zero bits beyond H), as one raw vector.
 // Full vectors are one 16-byte load; only the last, partial vector
@@ -233,7 +137,7 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&v)[VecOf<T>::valu
 }
 
 // Each of VEC fp32 values (VEC even) rounded to T and widened back (DevIO<T>::rt),
-// two values per conversion (NORMSPEC_PACKED_CVT).
+// two values per conversion.
 template <typename T, int VEC>
 __device__ __forceinline__ void round_pairs(float (&a)[VEC]) {
   if constexpr (sizeof(T) == 2) {
@@ -307,32 +211,6 @@ __device__ __forceinline__ Team make_team(int team_log) {
   return t;
 }
 
-// NORMSPEC_BLOCK_FOLD_LOCAL (build time, default 1 since session 29): a multi-warp team's
-// per-warp partials are folded in every lane from shared memory (two LDS.128 and seven
-// FADD for eight warps) instead of by three shuffle levels in lanes 0..7 and a broadcast
-// (=0, for A/B). With NORMSPEC_FWD_ROW_PER_BLOCK, in the micro harness on the H200
-// (notes/perf.md §34, bench/results/sweeps/block_fold_small_2dd36d5.json, 3 rounds,
-// equal hashes; over three processes of the bench the 64 x 2048 gain did not show), forward
-// µs after the 512 MiB flush / warm: 1 x 2048 3.87 -> 3.68 / 3.52 -> 3.42, 64 x 2048
-// 4.19 -> 3.84 / 3.74 -> 3.55, 4096 x 2048 12.54 -> 11.74 / 9.50 -> 8.64; the backward
-// level (64 x 2048 flushed 6.69 -> 6.78, warm 5.54 -> 5.50).
-#ifndef NORMSPEC_BLOCK_FOLD_LOCAL
-#define NORMSPEC_BLOCK_FOLD_LOCAL 1
-#endif
-// NORMSPEC_TEAM_SKIP_BROADCAST (build time, default 0; an experiment, notes/perf.md §35):
-// teams of at most a warp skip the final broadcast of team_reduce_pipe where every
-// butterfly level was taken (every constant form), since each lane then holds lane 0's
-// bits: one shuffle off the reduction's chain. But the broadcast also told the compiler
-// that the sum is the same in every lane; without it ptxas wraps the rsqrt and division
-// slow paths in BSSY / BSYNC (cuobjdump, sm_90a, the 64 x 256 bf16 rms form with
-// NORMSPEC_FWD_ROW_SLOT32: 166 SASS to EXIT, 169 with the skip). Timed alone on the H200
-// (session 31, 2 rounds, equal hashes; bench/results/sweeps/warp_team_1fbd371.json),
-// forward us against the default: 64 x 256 3.78-3.81 against 3.71 after the 512 MiB flush,
-// 3.46-3.52 against 3.49-3.62 warm; 4096 x 256 4.74-5.18 against 4.61-4.80 flushed,
-// 4.32-4.35 against 4.29 warm. No gain: left off.
-#ifndef NORMSPEC_TEAM_SKIP_BROADCAST
-#define NORMSPEC_TEAM_SKIP_BROADCAST 0
-#endif
 // Every lane of the team ends with, per pass, the tree of the pass's segment
 // (or of [0, P) when P is shorter). red: [NP][32] floats of shared memory,
 // used by multi-warp teams (one team per block) only.
@@ -355,13 +233,8 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
     }
   }
   if (team <= 32) {
-#if NORMSPEC_TEAM_SKIP_BROADCAST
-    // Where every level below wlim was taken, each lane already holds the bits lane 0
-    // holds: at each level the two lanes of a pair add the same two operands, in the other
-    // order, and a correctly rounded add is commutative (a NaN's payload aside, which the
-    // spec leaves open). The broadcast is then a no-op, and it is skipped.
-    if (wlim == 1 || VEC * (wlim >> 1) < P) return;
-#endif
+    // the broadcast also tells the compiler the sum is the same in every lane, which
+    // keeps the rsqrt and division slow paths out of divergence handling
 #pragma unroll
     for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0, wlim);
     return;
@@ -375,10 +248,10 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
     for (int p = 0; p < NP; ++p) red[p * 32 + warp] = part[p];
   }
   __syncthreads();
-#if NORMSPEC_BLOCK_FOLD_LOCAL
-  // Every lane reads the warps' partials and folds them itself, in the tree the shuffles
-  // below give lane 0 (level off taken under the same condition, each sum's operands in
-  // the same order), so no shuffle and no broadcast follow the barrier.
+  // Every lane reads the warps' partials and folds them itself, in the tree that
+  // shuffles over the warps' partials would give lane 0 (level off taken where
+  // off < nwarps and 32 * VEC * off < P, each sum's operands in the same order), so no
+  // shuffle and no broadcast follow the barrier.
   {
     const bool t1 = 1 < nwarps && 32 * VEC * 1 < P;
     const bool t2 = 2 < nwarps && 32 * VEC * 2 < P;  // implies t1
@@ -392,21 +265,6 @@ __device__ __forceinline__ void team_reduce_pipe(float (&part)[NP], int P, int t
       part[p] = a;
     }
   }
-#else
-#pragma unroll
-  for (int p = 0; p < NP; ++p) part[p] = lane < nwarps ? red[p * 32 + lane] : 0.0f;
-#pragma unroll
-  for (int off = 1; off < 8; off <<= 1) {  // at most 8 warps (teams of <= 256 threads)
-    const bool take = off < nwarps && 32 * VEC * off < P;
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      const float o = __shfl_xor_sync(full, part[p], off);
-      if (take) part[p] = add(part[p], o);
-    }
-  }
-#pragma unroll
-  for (int p = 0; p < NP; ++p) part[p] = __shfl_sync(full, part[p], 0);
-#endif
 }
 
 // The fp32 value the norm reads, from raw x (and raw residual when fused).
@@ -557,11 +415,6 @@ __device__ __forceinline__ void fill_weight_smem(float4* __restrict__ wsm,
 // (the rolled loop: four round trips for rows of 2048 in 128-thread blocks, on the
 // critical path of a launch of few rows). The same columns, factors and layout; an fp32
 // weight keeps the rolled loop (its raw loads would hold twice the registers).
-// Build-time switch for bench/micro/small_backward_ab.cu: 0 keeps the rolled loop in
-// every form (the A/B); the shipped kernels are built with 1.
-#ifndef NORMSPEC_BWD_FILL_BATCHED
-#define NORMSPEC_BWD_FILL_BATCHED 1
-#endif
 template <int OP, typename T, int NP, int VEC, int TL, int NTHR>
 __device__ __forceinline__ void fill_weight_smem_batched(float4* __restrict__ wsm,
                                                          const void* __restrict__ w, int H,
@@ -570,7 +423,7 @@ __device__ __forceinline__ void fill_weight_smem_batched(float4* __restrict__ ws
   constexpr int n = (NP * VEC / 4) << TL;  // weight_float4s<NP, VEC>(TL)
   constexpr int S = VEC << TL;
   constexpr int PER = (n + NTHR - 1) / NTHR;
-  if constexpr (sizeof(T) == 2 && NORMSPEC_BWD_FILL_BATCHED) {
+  if constexpr (sizeof(T) == 2) {
     if (flags & F_W_RAW) {
       uint2 raw[PER];
 #pragma unroll
@@ -850,7 +703,7 @@ __device__ __forceinline__ unsigned int mul_rn_bf16x2(unsigned int a, unsigned i
 // raw vector of VEC weights): rt(rt(v * rstd) * w) * act(z), rounded at the store, with
 // the middle product taken two at a time in bf16 (mul_rn_bf16x2) instead of widening
 // the weight, multiplying in fp32 and rounding again: the same bits in about three fewer
-// instructions per element (GT form 5; NORMSPEC_GT_HF_PACKED_W=0 turns it off).
+// instructions per element (GT form 5).
 template <typename T>
 __device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf<T>::value],
                                                           const uint4& rr, bool sig, float rstd,
@@ -885,8 +738,7 @@ __device__ __forceinline__ void forward_gated_hf_packed_w(const float (&v)[VecOf
 // in fp32 and rounding again. The weight factors w are bf16 values (the weight in the
 // input dtype, no offset), so packing them is exact; each product is then the exact
 // product rounded once, the spec's bits (forward_gated_hf_packed_w says why). The
-// backward's GC 7 (NORMSPEC_GATED_BWD_PACKED_W=0 turns it off): about 1.5 fewer
-// instructions per element than GC 3.
+// backward's GC 7: about 1.5 fewer instructions per element than GC 3.
 template <typename T, int VEC>
 __device__ __forceinline__ void gated_backward_vec_hf_packed_w(
     const float (&xh)[VEC], const float (&w)[VEC], const Act (&a)[VEC], const float (&dy)[VEC],
@@ -1006,32 +858,21 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// How the one-row forward addresses its passes. Either way a pass reads and writes the
-// same elements with the same bounds; only the SASS differs. From the lane's own
-// pointers (p * S past them; f07903c) or from the row's start (p * S + tcol past it, as
-// before f07903c). On the H200 (bench/micro/row_forward_ab.cu, three interleaved runs
-// each, bf16) the row's start is faster for the rms norm's constant forms of 64 and
-// more lanes (rms 4096 x 2048 14.72 -> 14.02 us, 32768 x 2048 73.44 -> 72.42, 65536 x
-// 2048 140.16 -> 139.17) and slower for its 8-lane form (q/k 524288 x 256 141.50 ->
-// 142.24); the fused 2048 form and the small-row forms did not move.
-// NORMSPEC_ROW_ADDRESS_PER_PASS=1 / =0 forces one addressing on every form (the A/B;
-// bench/results/sweeps/row_forward_addressing.json).
+// How the one-row forward addresses its passes: from the lane's own pointers (p * S past
+// them), or from the row's start (p * S + tcol past it). Either way a pass reads and
+// writes the same elements with the same bounds; only the SASS differs. The row's start
+// measured faster for the rms norm's constant forms of 64 and more lanes with more than
+// one pass, the lane's pointers for the other forms.
 __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int full_tl) {
-#ifdef NORMSPEC_ROW_ADDRESS_PER_PASS
-  static_cast<void>(op), static_cast<void>(np), static_cast<void>(full_tl);
-  return NORMSPEC_ROW_ADDRESS_PER_PASS != 0;
-#else
   return op == normspec::OP_RMS && np > 1 && full_tl >= 6;
-#endif
 }
 
 // ---- forward, one row per team ------------------------------------------------
 // The default forward wherever the gate table is not used: a team loads its
 // row, reduces it, writes it and is done; the block scheduler streams the
 // rows, so as many rows are in flight as registers allow, and the weight
-// factors come from global memory (L1 hits) instead of a per-block fill. On
-// the H200 this beats the persistent kernel by 4-6 % (bench/micro/fwd_variants.cu).
-// Same device functions as the persistent kernel, so the same bits.
+// factors come from global memory (L1 hits) instead of a per-block fill: a few per
+// cent faster than the persistent kernel. Same device functions as the persistent kernel, so the same bits.
 //
 // FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL, so
 // every vector is full and P = H) with teams of 2**FULL_TL threads: the team
@@ -1040,142 +881,31 @@ __host__ __device__ constexpr bool row_per_pass_addressing(int op, int np, int f
 // picks this form for power-of-two rows in the default geometry. FULL_TL = -1:
 // any H and team (the `H` and `team_log` arguments).
 //
-// GT (large bf16 gated forwards; NORMSPEC_GATED_ROW_TABLE=0 turns it off): act(z) from
-// `gtab`, a gate table in global memory that the launcher fills once per device
-// (normspec_fill_gate_table_kernel), instead of evaluating it per element. The
-// persistent kernel's table lives in shared memory and is filled by every block, which
-// is what makes that kernel persistent; a global table lets the gated forward run one
-// row per team like the other ops (the bits are the declared functions' either way).
-// NORMSPEC_GT_MIN_BLOCKS (build time, default 4): the GT forms' register budget as
-// resident 256-thread blocks per SM (4: 64 registers). Uncapped, the GT form of
-// 128-element rows took 80 registers (ncu, harness build), so 24 resident warps (37.5 %);
-// the source-level profile put half of all its stall samples on the first use of the
-// row's loads (long scoreboard: DRAM latency with too few warps to hide it). With 64
-// registers its one-warp blocks (row_block) reach the 32-block limit, 50 %: on the H200
-// 2^21 x 128 went 394.5 -> 372.7 us (vllm) and 406.5 -> 376.3 (hf); 5 (48 registers,
-// 68 bytes of spills) took 525 us (bench/results/sweeps/gt_occupancy.json).
-// NORMSPEC_RMS_MIN_BLOCKS (build time, default 4): the same for the rms norm's constant
-// forms of teams of 64 and more lanes (rows of 2048 bf16: four passes at 4096 and more
-// rows, one at fewer). Uncapped they took 80 registers (four passes), 37.5 %; with 64
-// and no spills (ptxas) rms 4096 x 2048 went 13.65 -> 12.77 us, 32768 x 2048 68.66 ->
-// 67.19, 64 x 2048 4.30 -> 4.03 (bench/results/sweeps/row_occupancy.json). The q/k
-// forms (teams of 8 and 32) and the fused ones took as long or longer capped, so they
-// keep NORMSPEC_ROW_MIN_BLOCKS (build time, default 1).
-#ifndef NORMSPEC_GT_MIN_BLOCKS
-#define NORMSPEC_GT_MIN_BLOCKS 4
-#endif
-#ifndef NORMSPEC_RMS_MIN_BLOCKS
-#define NORMSPEC_RMS_MIN_BLOCKS 4
-#endif
-#ifndef NORMSPEC_ROW_MIN_BLOCKS
-#define NORMSPEC_ROW_MIN_BLOCKS 1
-#endif
-// The one-row forward's rms and fused forms of more than one pass load a 16-bit weight
-// with the row (1, the default since 71f0ae0) or after the reduction (0); see EARLY_W in
-// normspec_fwd_row_kernel.
-#ifndef NORMSPEC_ROW_WEIGHT_EARLY
-#define NORMSPEC_ROW_WEIGHT_EARLY 1
-#endif
-// NORMSPEC_ROW_W_RAW_ONE (build time, default 1 since session 43; =0 for A/B): see EARLY_W
-// in normspec_fwd_row_kernel.
-#ifndef NORMSPEC_ROW_W_RAW_ONE
-#define NORMSPEC_ROW_W_RAW_ONE 1
-#endif
-// NORMSPEC_FWD_ROW_PER_BLOCK (build time, default 1 since session 29; =0 for A/B): the
-// one-row forward's whole-block teams (64 and more lanes, constant geometry) take their
-// row from blockIdx.x; see PER_BLOCK in normspec_fwd_row_kernel. cuobjdump (sm_90a, the
-// 1 x 2048 bf16 form, with the fold above): 198 -> 163 SASS to EXIT, the first load at
-// SASS 13 (the weight's; the row's at 24) instead of 33. On the H200 it made most of the
-// rms 4096 x 2048 forward's gain: 12.51 -> 11.93 us flushed, 9.33 -> 8.70 warm against
-// the fold alone (bench/results/sweeps/block_fold_row_forward_2dd36d5.json, 2 rounds,
-// equal hashes).
-#ifndef NORMSPEC_FWD_ROW_PER_BLOCK
-#define NORMSPEC_FWD_ROW_PER_BLOCK 1
-#endif
-// NORMSPEC_FWD_ROW_SLOT32 (build time, default 1 since session 30; =0 for A/B): the
-// one-row forward's constant forms with teams of at most a warp index their row in 32 bits
-// (SLOT32 in normspec_fwd_row_kernel). cuobjdump (sm_90a, the 64 x 256 bf16 rms form, a
-// team of 32 lanes): 174 -> 166 SASS to EXIT. On the H200, together with
-// NORMSPEC_TEAM_SKIP_BROADCAST=1, against neither (3 rounds, equal hashes;
-// bench/results/sweeps/warp_team_7327fa8.json): 64 x 256 forward 3.90 -> 3.78 us after the
-// 512 MiB flush, 3.55 -> 3.52 warm; the rounds' ranges overlap: no loss, a gain not shown.
-// Alone, session 31 (2 rounds, equal hashes; bench/results/sweeps/warp_team_1fbd371.json):
-// 4096 x 256 forward after the flush 4.61-4.80 us against 5.09-5.12 with =0 (a gain, the
-// ranges apart); 64 x 256 3.71 against 3.68-3.97; warm, both level (4.29 / 4.29-4.35 and
-// 3.49-3.62 / 3.52-3.62).
-#ifndef NORMSPEC_FWD_ROW_SLOT32
-#define NORMSPEC_FWD_ROW_SLOT32 1
-#endif
-// NORMSPEC_BWD_OFF32 (build time, default 0; an experiment, notes/perf.md §36): the
-// pipelined backward's constant forms (FULL_TL >= 0) do their row, group and offset
-// arithmetic in 32-bit ints instead of 64-bit ones, and the launchers send launches whose
-// offsets do not fit (bwd_offsets_fit_32) to the general form. ncu at ee94569 (H200, the
-// vllm gated backward 2^21 x 128, bench/results/ncu/backward_kernels_H200.csv): 434 warp
-// instructions a row-pair iteration against FLA's 341 M / 2^20 = 325, at the same 16 warps
-// per SM; about 100 of the loop's 599 static SASS are the next row's 64-bit bookkeeping.
-// Measured at bea5517 (H100, bench/results/sweeps/bwd_off32_bea5517.json, 2 rounds, equal
-// hashes): the gated backward gains 0.6 % (990.9 -> 985.4 us vllm, 993.4 -> 987.2 hf) for
-// 8 % fewer loop SASS, while the rms backward of 32768 x 2048 loses 4 % (159.5 -> 165.9 us,
-// both rounds) with 33 fewer: so it stays off (notes/perf.md §37).
-#ifndef NORMSPEC_BWD_OFF32
-#define NORMSPEC_BWD_OFF32 0
-#endif
-// NORMSPEC_BWD_DEPTH2 (build time, default 1 since session 34; notes/perf.md §38-§39): the
-// pipelined backward's gate-table constant forms (GC >= 0, the gated bf16 launches) keep two
-// rows in flight per team instead of one: while a row is computed, the next one's loads
-// have been issued a row earlier and the one after it is issued now. FLA's faster kernel
-// runs at the same 16 warps per SM and issues two rows' loads per lane at once (its SASS,
-// bench/results/ncu/gated_bwd_sass_fla_H200.csv: 48 KiB in flight per SM against our 24).
-// The same device functions compute every value from the same inputs, so the bits cannot
-// change (the A/B harness's hashes of y, dx, dgate and dweight are equal); only when loads
-// issue does. Measured at 438c41d (H200, bench/results/sweeps/bwd_depth2_438c41d.json,
-// 3 rounds): the gated backward gains in every round, 770.6 -> 765.1 us (vllm) and
-// 775.4 -> 771.7 us (hf), and no other kernel's SASS changes. =0 keeps one row ahead.
-#ifndef NORMSPEC_BWD_DEPTH2
-#define NORMSPEC_BWD_DEPTH2 1
-#endif
-// The index type of the backward's row arithmetic: int where NORMSPEC_BWD_OFF32 applies.
-template <bool B>
-struct BwdIndex {
-  using type = long long;
-};
-template <>
-struct BwdIndex<true> {
-  using type = int;
-};
-// Test only (build time, default 0): see normspec_bwd_pipe_kernel's shared-memory halves.
-#ifndef NORMSPEC_BWD_SAVED_SAME_HALF
-#define NORMSPEC_BWD_SAVED_SAME_HALF 0
-#endif
-// The one-row form's __launch_bounds__ minimum of resident 256-thread blocks per SM.
+// GT (large bf16 gated forwards): act(z) from `gtab`, a gate table in global memory that
+// the launcher fills once per device (normspec_fill_gate_table_kernel), instead of
+// evaluating it per element. The persistent kernel's table lives in shared memory and is
+// filled by every block, which is what makes that kernel persistent; a global table lets
+// the gated forward run one row per team like the other ops (the bits are the declared
+// functions' either way).
+//
+// The register budget, as the __launch_bounds__ minimum of resident 256-thread blocks
+// per SM (row_min_blocks): 4 (64 registers) for the GT forms and for the rms norm's
+// constant forms of teams of 64 and more lanes, which without the cap took 80 registers
+// and too few warps to hide DRAM latency; 1 for the other forms, which ran as fast or
+// faster uncapped.
 __host__ __device__ constexpr int row_min_blocks(int op, int full_tl, bool gt) {
-  return gt ? NORMSPEC_GT_MIN_BLOCKS
-             : (op == normspec::OP_RMS && full_tl >= 6) ? NORMSPEC_RMS_MIN_BLOCKS
-                                              : NORMSPEC_ROW_MIN_BLOCKS;
+  return gt ? 4 : (op == normspec::OP_RMS && full_tl >= 6) ? 4 : 1;
 }
-// GT_VLLM (with GT): the vllm convention's form (NORMSPEC_GT_VLLM_FORM=0 turns it off).
-// It keeps the raw x and unpacks it again after the reduction instead of keeping the
-// unpacked values: no spill at 64 registers (8 bytes otherwise; 72 registers uncapped
-// against 80). It still reads F_HF at run time: with the flag known clear, ptxas spilled
-// 32 bytes. On the H200, bench inputs: harness 375.1 -> 373.2 us (the same for the hf
-// convention 377.4 -> 380.1, so that convention keeps the values;
-// bench/results/sweeps/gt_registers.json, as the build flag NORMSPEC_GT_RAW_X), bench
-// 378.1 -> 375.9-376.0 (probes/gt_vllm_form_bench_0df18fa.txt; notes §25, §26).
-// The GT forms (GTF, with GT): 0 the form of both conventions (flags read at run time),
-// 1 the vllm convention's own (GT_VLLM above), 2 / 3 the transformers convention's own
-// (NORMSPEC_GT_HF_FORM=0 turns them off), with its roundings as constants: F_HF set and
-// F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype). Bench, H200:
-// hf forward 379.6-379.7 -> 378.3-378.8 us (probes/gt_hf_form_bench_a6db87b.txt).
-// 4 (NORMSPEC_GT_VLLM_W_RAW=0 turns it off): 1 with F_W_RAW set as a constant (the
-// launcher takes it only for a weight it passes in the input dtype). ptxas, 2 x 8 lanes:
-// no spill, 22 LDG against 26 (form 3 with F_W_RAW a constant, and nothing else, spilled
-// 32 bytes against 4). Bench, H200: vllm forward 375.7-376.3 -> 375.2-375.3 us.
-// 5 (NORMSPEC_GT_HF_PACKED_W=0 turns it off): 3 with F_W_RAW a constant and the
-// weight's product in packed bf16 (forward_gated_hf_packed_w; the same condition).
-// ptxas (sm_90a, this kernel alone): 64 registers and no spill (form 3: 4 bytes), 64
-// SASS fewer than form 3, of them 16 FMUL and 8 F2FP, for 8 packed bf16 multiplies.
-// Bench, H200: hf forward 379.2-380.3 -> 374.4-374.7 us
-// (probes/gt_w_raw_packed_w_bench_cda5123.txt).
+// The GT forms (GTF, with GT): 1 the vllm convention's own (GT_VLLM below), 2 / 3 the
+// transformers convention's own, with its roundings as constants: F_HF set and
+// F_W_IS_INPUT clear (an fp32 weight) / set (a weight of the input dtype); 4: 1 with
+// F_W_RAW set as a constant (the launcher takes it only for a weight it passes in the
+// input dtype), so that the fp32 weight's load path drops out; 5: 3 with F_W_RAW a
+// constant and the weight's product in packed bf16 (forward_gated_hf_packed_w). 0 (no
+// GT): the flags decide at run time.
+// GT_VLLM (forms 1 and 4): the vllm convention's form keeps the raw x and unpacks it
+// again after the reduction instead of keeping the unpacked values: no spill at 64
+// registers. It still reads F_HF at run time: with the flag known clear, ptxas spilled.
 template <int OP, typename T, int NP, int FULL_TL = -1, bool GT = false, int GTF = 0>
 __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     normspec_fwd_row_kernel(const T* __restrict__ x, const T* __restrict__ r,
@@ -1193,15 +923,15 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
   __shared__ float red[NP * 32];
   const int team_log = FULL ? FULL_TL : team_log_arg;
   const Team tm = make_team(team_log);
-  // NORMSPEC_FWD_ROW_PER_BLOCK: teams of 64 and more lanes are whole blocks, one per row
+  // The constant forms' teams of 64 and more lanes are whole blocks, one per row
   // (launch_row: row_block gives them blocks of their size, grid_for one block a row), so
   // the row is blockIdx.x and every team has one, as in the one-row backward
-  // (normspec_bwd_row_kernel's PER_BLOCK)
-  constexpr bool PER_BLOCK = NORMSPEC_FWD_ROW_PER_BLOCK && FULL && FULL_TL >= 6;
-  // NORMSPEC_FWD_ROW_SLOT32: teams of at most a warp (several a block) take their row as
+  // (normspec_bwd_row_kernel's PER_BLOCK): fewer instructions before the first load
+  constexpr bool PER_BLOCK = FULL && FULL_TL >= 6;
+  // The constant forms' teams of at most a warp (several a block) take their row as
   // the block's first team plus the thread's team, in 32 bits (launch_row: fewer than 2^31
   // rows, row_index_fits_32), instead of the 64-bit slot of the grid-wide thread index
-  constexpr bool SLOT32 = NORMSPEC_FWD_ROW_SLOT32 && FULL && FULL_TL <= 5;
+  constexpr bool SLOT32 = FULL && FULL_TL <= 5;
   constexpr int SLOT_SHIFT = FULL ? FULL_TL : 0;
   const long long row =
       PER_BLOCK ? static_cast<long long>(blockIdx.x)
@@ -1237,31 +967,18 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
       }
     }
   }
-#if NORMSPEC_ROW_WEIGHT_EARLY
   // With more passes, the rms and fused forms of a 16-bit weight read as it is (F_W_RAW)
   // issue the weight's loads with the row's, as raw vectors (4 registers a pass), instead
   // of after the reduction: warm, the row's loads return soon, and the weight's round trip
   // after the reduction is then on the critical path (Liger's kernel loads both at once).
   // The factors are widened and scaled as weight_factors does, so the bits are the same.
-  // On the H200 (notes/perf.md §33) it took the fused 4096 x 2048 forward from 20.8 to
-  // 20.0 us and the rms 4096 x 2048 from 12.8 to 12.5 (after the 512 MiB flush; 19.7 to
-  // 18.8 and 9.7 to 9.5 warm) and lost only at rms 32768 x 2048 warm, by 0.2 % (66.0 to
-  // 66.1); -DNORMSPEC_ROW_WEIGHT_EARLY=0 builds the late load (for
-  // bench/micro/row_forward_ab.cu's A/B).
-  // NORMSPEC_ROW_W_RAW_ONE: the one-pass forms of teams of at most a warp (the q/k rows
-  // of 256 and narrower) keep the 16-bit weight raw from its load, issued with the row's,
-  // and widen and scale it for the output, after the reduction, instead of before the
-  // reduction starts (g1 below: in the SASS of the 64 x 256 form its unpacking and offset
-  // adds stood between the loads' return and the first square). On the H200 (CUPTI kernel
-  // durations, two passes, equal bits; notes/perf.md §48): after the 256 MiB flush 4096 x
-  // 256 2.37 -> 2.21 us and 64 x 256 1.44 -> 1.41, warm both level (2.03, 1.25). The
-  // whole-block one-pass forms (rows of 2048, up to 528 of them) lost warm with it
-  // (1 x 2048 1.12 -> 1.18, 64 x 2048 1.27 -> 1.34) and keep g1.
-  constexpr bool EARLY_W = (NP > 1 || (NORMSPEC_ROW_W_RAW_ONE && FULL_TL <= 5)) && FULL &&
-                           sizeof(T) == 2 && OP != OP_GATED;
-#else
-  constexpr bool EARLY_W = false;
-#endif
+  // The one-pass forms of teams of at most a warp (the q/k rows of 256 and narrower) keep
+  // the 16-bit weight raw from its load too, and widen and scale it for the output, after
+  // the reduction, instead of before the reduction starts (g1 below), which would put the
+  // unpacking between the loads' return and the first square. The whole-block one-pass
+  // forms (rows of 2048) measured slower that way and keep g1.
+  constexpr bool EARLY_W =
+      (NP > 1 || FULL_TL <= 5) && FULL && sizeof(T) == 2 && OP != OP_GATED;
   uint4 w_raw[EARLY_W ? NP : 1];
   if constexpr (EARLY_W) {
     if (flags & F_W_RAW) {
@@ -1279,21 +996,6 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
     if (live && tcol < Hc && !(EARLY_W && (flags & F_W_RAW)))
       weight_factors<OP, T, VEC>(w, tcol, Hc, offset, flags, g1);
   }
-#if NORMSPEC_ROW_WEIGHT_PREFETCH
-  // Experiment (bench/micro/row_forward_ab.cu), from before the early load above: where
-  // more passes load the weight after the reduction (every form without EARLY_W), ask
-  // for its lines in L1 now, at no register cost.
-  if constexpr (NP > 1) {
-    const int wsize = (sizeof(T) == 2 && (flags & F_W_RAW)) ? 2 : 4;
-#pragma unroll
-    for (int p = 0; p < NP; ++p) {
-      const int col = p * S + tcol;
-      if (live && col < Hc)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(w) +
-                                                     static_cast<long long>(col) * wsize));
-    }
-  }
-#endif
   // The values the norm reads, formed once for the reduction and the output. For the
   // two-input ops they take the registers of the raw x and residual / gate vectors
   // (the gate's raw vector stays for the activation); the rms norm keeps its raw x
@@ -1368,10 +1070,9 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
 // ---- the q/k forward in vectors of four ----------------------------------------------
 // The rms and fused forwards of rows of 4 * 2**LL 16-bit elements (256: LL 6, two warps a
 // row; 128: LL 5, one warp) with a weight of the input dtype, four elements a lane (8-byte
-// loads and stores) instead of the one-pass warp teams' eight: torch.compile's shape for
-// 64 x 256, whose kernel led ours warm by 0.14-0.19 us (notes/perf.md §48). A lane's
-// chain from its loads to its store is about half as long; the launcher takes it for
-// launches of few rows (launch_quad in normspec_launch_impl.cuh, where the times are),
+// loads and stores) instead of the one-pass warp teams' eight, torch.compile's shape for
+// few q/k rows. A lane's chain from its loads to its store is about half as long; the
+// launcher takes it for launches of few rows (launch_quad in normspec_launch_impl.cuh),
 // since with more the second warp's instructions cost more than the shorter chain saves.
 // The same tree: each lane's four squares in two levels, five shuffle levels a warp, and
 // with two warps their sums from shared memory, the left warp's first.
@@ -1379,11 +1080,10 @@ namespace normspec {
 // 8 bytes of a row, with the 16-byte loads' L2 policy (load_row_vector)
 __device__ __forceinline__ uint2 load_row_half(const void* p) {
   uint2 v;
-#if NORMSPEC_L2_LOAD_POLICY && !NORMSPEC_STREAMING_HINTS && \
-    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   asm("ld.global.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
       : "=r"(v.x), "=r"(v.y)
-      : "l"(p), "l"(row_l2_policy<NORMSPEC_L2_LOAD_POLICY>()));
+      : "l"(p), "l"(row_l2_policy()));
 #else
   asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
 #endif
@@ -1499,24 +1199,12 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 //   OP_FUSED: r = residual, dres = gradient of the new residual, d2 = dresidual.
 //   OP_FUSED_SUM: x = the sum s, dres as OP_FUSED; r, d2 unused (dx is ds).
 //   OP_GATED: r = gate, dres unused, d2 = dgate.
-// Build-time knob for bench/micro/bwd_variants.cu (default: the shipped kernel):
-// the minimum resident 256-thread blocks the register budget must allow. On the
-// H200, 3 (at most 80 registers) left the rms backward as fast and made the fused
-// one spill and run 1.5x slower.
-#ifndef NORMSPEC_BWD_MIN_BLOCKS
-#define NORMSPEC_BWD_MIN_BLOCKS 1
-#endif
-// NORMSPEC_BWD_PIN_OCCUPANCY (default 1; =0 at build time restores the older bounds) caps
-// two forms at 80 registers (three 256-thread blocks per SM), which nvcc 13.0 reaches by
-// itself and NVRTC 13.0 does not (86 and 84 registers on the H200, so one resident block
-// less per SM for the CuPy backend; notes/perf.md §44-45): the rms norm's recomputing
-// two-pass form of 128 threads (16-bit rows of 2048) and the saved-rstd one-pass forms of
-// 32 lanes of the other ops (16-bit rows of 256). Timed on the H200 (§45): the extension
-// unchanged, the CuPy backend's fused 32768 x 256 backward 38.2 -> 35.2 us.
-#ifndef NORMSPEC_BWD_PIN_OCCUPANCY
-#define NORMSPEC_BWD_PIN_OCCUPANCY 1
-#endif
-//
+// The register budget of two forms is capped at 80 registers (three 256-thread blocks
+// per SM), which nvcc reaches by itself and NVRTC does not (so that the CuPy backend's
+// binaries keep the same resident blocks): the rms norm's recomputing two-pass form of
+// 128 threads (16-bit rows of 2048) and the saved-rstd one-pass forms of 32 lanes of the
+// other ops (16-bit rows of 256). The other forms without a saved rstd keep nvcc's own
+// budget (a minimum of one block; three made the fused one spill).//
 // FULL_TL >= 0: rows that fill the team exactly (H = NP * VEC * 2**FULL_TL) with
 // teams of 2**FULL_TL threads, as for the one-row forward: the geometry is
 // constant and its predicates fold away.
@@ -1533,21 +1221,20 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 // GC >= 0: the gated op's convention as constants, for the gate-table launches of
 // the constant forms (bf16): bit 0 the transformers convention (F_HF), bit 1 a
 // weight of the input dtype (F_W_IS_INPUT); the table is on and its lookups are
-// batched per vector. GC = 7 (NORMSPEC_GATED_BWD_PACKED_W=0 turns it off): GC 3 with
-// its weight products in packed bf16 (gated_backward_vec_hf_packed_w). GC = -1: the
+// batched per vector. GC = 7: GC 3 with its weight products in packed bf16 (gated_backward_vec_hf_packed_w). GC = -1: the
 // flags decide at run time. The same device functions compute every value either way.
 template <int OP, typename T, int NP, int FULL_TL, bool SAVED, int GC = -1>
 __host__ __device__ constexpr int bwd_min_blocks() {
   // the gate table (64 KiB) bounds these launches to two blocks per SM: up to 128
   // registers cost nothing
   if (GC >= 0) return 2;
-  if (NORMSPEC_BWD_PIN_OCCUPANCY && sizeof(T) == 2 &&
+  if (sizeof(T) == 2 &&
       ((OP == normspec::OP_RMS && !SAVED && NP == 2 && FULL_TL == 7) ||
        (OP != normspec::OP_RMS && SAVED && NP == 1 && FULL_TL == 5)))
     return 3;
-  if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return NORMSPEC_BWD_MIN_BLOCKS;
+  if (!SAVED || FULL_TL < 0 || sizeof(T) != 2) return 1;
   if (NP == 2) return 2;
-  return OP == normspec::OP_RMS ? 4 : NORMSPEC_BWD_MIN_BLOCKS;
+  return OP == normspec::OP_RMS ? 4 : 1;
 }
 
 template <int OP, typename T, int NP, int FULL_TL = -1, bool SAVED = false, int GC = -1>
@@ -1587,9 +1274,9 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
   // the constant forms' block: 256 threads, or one team of 2**FULL_TL > 256 / 2 threads
   constexpr int FULL_NTHR = FULL_TL <= 5 ? 256 : 1 << (FULL ? FULL_TL : 0);
   const int nthr = FULL ? FULL_NTHR : blockDim.x;
-  // NORMSPEC_BWD_OFF32: rows, groups, the team's slots and every element offset in 32 bits
-  // (the launcher checked that they fit: bwd_offsets_fit_32); long long otherwise
-  using Idx = typename BwdIndex<NORMSPEC_BWD_OFF32 != 0 && FULL>::type;
+  // rows, groups, the team's slots and every element offset (32-bit arithmetic here made
+  // the rms backward slower)
+  using Idx = long long;
   const Idx nrows = static_cast<Idx>(rows);
   const Idx ox = static_cast<Idx>(sx), orr = static_cast<Idx>(sr), ody = static_cast<Idx>(sdy);
   const Idx odr = static_cast<Idx>(sdres), odx = static_cast<Idx>(sdx);
@@ -1621,8 +1308,10 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
     }
   };
   auto prefetch = [&](Idx row) { load_set(row, nx, nr, ndy, ndr, nrs); };
-  // NORMSPEC_BWD_DEPTH2: the row after the next one (a second row set, GC forms only)
-  constexpr bool DEPTH2 = NORMSPEC_BWD_DEPTH2 != 0 && GCONST;
+  // The GC forms keep two rows in flight per team: while a row is computed, the next
+  // one's loads were issued a row earlier and the one after it is issued now (a second
+  // row set). Only when loads issue changes, never a value.
+  constexpr bool DEPTH2 = GCONST;
   uint4 mx[NP], mr[NP], mdy[NP], mdr[NP];
   float mrs = 1.0f;
 #pragma unroll
@@ -1703,22 +1392,18 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
       // Each reduction takes the other half of red than the one before, so that a warp
       // writing its partial never meets one still reading the last reduction's (the
       // barrier of the reduction in between orders them). With SAVED there is one
-      // reduction a row; flipping here too sent every row's to the same half.
-      // (-DNORMSPEC_BWD_SAVED_SAME_HALF=1, for checking the checker only: the flip as before
-      // 8275b61, whose race scripts/gpu_evidence.sh racecheck should then report)
+      // reduction a row; flipping here too would send every row's to the same half.
       float rstd = crs;
       if constexpr (!SAVED) {
         rstd = row_rstd<OP, T, NP>(cx, cr, flags, tcol, S, Hc, P, eps, team_log, red[buf]);
-        buf ^= 1;
-      } else if constexpr (NORMSPEC_BWD_SAVED_SAME_HALF != 0) {
         buf ^= 1;
       }
       float part[NP];
 
       // dxhat, dgate, the dweight contribution (pushed) and sum(dxhat * xhat).
       // dxhat stays in registers for dx below: recomputing dy * g there instead
-      // (one LDS.128 per four elements and a multiply) cost the rms backward 4-13 %
-      // on the H200 (issue-bound), for no fewer registers.
+      // (one LDS.128 per four elements and a multiply) made the rms backward slower
+      // (issue-bound), for no fewer registers.
       float dxh[NP][VEC];
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
@@ -1822,22 +1507,14 @@ __global__ void __launch_bounds__(256, (bwd_min_blocks<OP, T, NP, FULL_TL, SAVED
 // loaded to registers (weight_factors, as the one-row forward reads them) instead of
 // through shared memory and a barrier. For plans of one row per dweight group (glog = 0)
 // in the constant geometries (FULL_TL: teams of 2**FULL_TL threads, NP passes, rows of
-// exactly NP * VEC << FULL_TL elements); the launcher takes it unless NORMSPEC_BWD_ROW=0
-// (in the harness it took the 1 x 2048 backward from 4.35 to 3.94 us,
-// bench/results/sweeps/bwd_row_kernel.json). Why: the
-// pipelined kernel's 1 x 2048 backward ran 614 executed SASS per warp against
-// torch.compile's 161, most of them integer and control work, and 992 SASS of code
-// fetched after the bench's flush (bench/results/ncu/small_backward_source_H200.txt,
-// notes/perf.md §23).
+// exactly NP * VEC << FULL_TL elements). Such launches are bound by one row's latency,
+// and most of the pipelined kernel's instructions there were integer and control work.
 // The same device functions compute every value, so the bits are the pipelined
 // kernel's. ws: row r's dweight contributions at ws[r * H] (fp32), or with F_DW_FINAL
 // (one row) dweight itself, H values of T. SAVED: rstd_in holds the forward's rstd.
 // Teams of 64 and more lanes are whole blocks, one per row (launch_bwd_row), so their
 // row is blockIdx.x and every team has one: no 64-bit team arithmetic and no past-the-end
-// guards before the first load (ncu had that load at SASS 59, torch.compile's after about
-// 15; cuobjdump: 38 now). H200 harness, 3 rounds, equal hashes: 64 x 2048 backward
-// 6.82 -> 6.62 us, 1 x 2048 3.94 -> 3.84 (both within 3.74-3.94 in single rounds), large
-// rows level (bench/results/sweeps/bwd_row_per_block.json, notes §26).
+// guards before the first load.
 template <typename T, int NP, int FULL_TL, bool SAVED>
 __global__ void __launch_bounds__(256)
     normspec_bwd_row_kernel(const T* __restrict__ x, const void* __restrict__ w,

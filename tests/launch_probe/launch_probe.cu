@@ -62,11 +62,11 @@ void print_geometry() {
   }
   for (long long H : Hs) for (int vec : {4, 8}) {
     for (int bwd : {0, 1}) {
-      PipeGeometry g = pipe_geometry(H, vec, 0, bwd);
+      PipeGeometry g = pipe_geometry(H, vec, bwd);
       printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
     }
     for (int two : {0, 1}) for (long long R : Rs) {
-      PipeGeometry r = row_geometry(H, vec, 0, two, R);
+      PipeGeometry r = row_geometry(H, vec, two, R);
       printf("R %lld %d %d %lld %d %d %d\n", H, vec, two, R, r.team_log, r.np,
              r.np ? row_block(r, R) : 0);
     }
@@ -79,8 +79,7 @@ void print_geometry() {
       PipeGeometry g;
       g.team_log = tl;
       g.np = np;
-      printf("M %d %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin),
-             pipe_forced_glog_cap(g, vec, optin));
+      printf("M %d %d %d %d %d\n", tl, np, vec, optin, pipe_max_glog(g, vec, optin));
     }
   for (long long G : Rs) if (G > 0) printf("C %lld %lld\n", G, col_tree_rows_out(G));
   for (long long G = 1; G <= kColTreeLastMax; ++G) {
@@ -164,18 +163,15 @@ bool run_call(const std::string& line) {
     launch_backward(op, dt, a, static_cast<float*>(fake(5)), plan, nullptr);
   } else {
     long long G = plan.groups;
-    const long long last_max = col_tree_last_rows();
     const bool fp32_weight = wdt == DT_F32;
-    const bool tree_follows = last_max > 0 ? !(G == 1 && fp32_weight) : G > 1;
+    const bool tree_follows = !(G == 1 && fp32_weight);
     if (tree_follows && chained_launches(nullptr)) a.flags |= F_LET_DEPENDENTS;
     launch_backward(op, dt, a, static_cast<float*>(fake(5)), plan, nullptr);
-    while (G > (last_max > 0 ? last_max : 1)) {
+    while (G > kColTreeLastMax) {
       launch_col_tree(static_cast<float*>(fake(5)), static_cast<float*>(fake(6)), G, H, nullptr);
       G = col_tree_rows_out(G);
     }
-    if (last_max == 0) {
-      if (!(G == 1 && fp32_weight)) std::printf("X cast\n");
-    } else if (!(G == 1 && fp32_weight)) {
+    if (!(G == 1 && fp32_weight)) {
       launch_col_tree_last(static_cast<float*>(fake(5)), fake(7), wdt, G, H, nullptr);
     }
   }
