@@ -1,34 +1,20 @@
-"""The torch extension's build settings: ``NORMSPEC_BUILD_DEFINES`` (no compilation here)."""
+"""The torch extension's build: its directory, flags and lock (no compilation here)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
 _build = pytest.importorskip("normspec.backends.torch_ext._build")
 
 
-def test_build_defines_become_flags_and_a_directory_of_their_own(monkeypatch, tmp_path):
+def test_build_directory_follows_normspec_build_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
-    monkeypatch.delenv("NORMSPEC_BUILD_DEFINES", raising=False)
-    assert _build.build_defines() == []
-    plain = _build.build_directory(with_cuda=False)
-    assert plain.parent == tmp_path and "-defs" not in plain.name
-    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", " NORMSPEC_ROW_WEIGHT_EARLY=1  FOO ")
-    assert _build.build_defines() == ["-DNORMSPEC_ROW_WEIGHT_EARLY=1", "-DFOO"]
-    with_defs = _build.build_directory(with_cuda=False)
-    assert with_defs.name.startswith(plain.name + "-defs") and with_defs != plain
-    assert _build.build_directory(with_cuda=False) == with_defs  # the same defines, the same
-    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=0")
-    assert _build.build_directory(with_cuda=False) not in (plain, with_defs)
-
-
-@pytest.mark.parametrize("bad", ["1ABC", "A=b;rm", "A B=$(x)", "-DFOO", "NORMSPEC_X="])
-def test_bad_build_defines_are_named_and_make_the_backend_unavailable(monkeypatch, bad):
-    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", bad)
-    with pytest.raises(ValueError, match="NORMSPEC_BUILD_DEFINES: expected space-separated "
-                                         "NAME or NAME=VALUE entries, got '"):
-        _build.build_defines()
-    assert _build._prerequisites().startswith("NORMSPEC_BUILD_DEFINES: expected")
+    cpu, cuda = _build.build_directory(with_cuda=False), _build.build_directory(with_cuda=True)
+    assert cpu.parent == tmp_path == cuda.parent and cpu != cuda
+    assert cpu.name.startswith("torch") and cpu.name.endswith(
+        f"-cpu-py{sys.version_info.major}{sys.version_info.minor}")
 
 
 def _fake_compiler(monkeypatch, tmp_path, load):
@@ -39,7 +25,6 @@ def _fake_compiler(monkeypatch, tmp_path, load):
     from normspec.backends.torch_ext import _ops
 
     monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
-    monkeypatch.delenv("NORMSPEC_BUILD_DEFINES", raising=False)
     monkeypatch.setattr(_build, "_loaded", None)
     monkeypatch.setattr(_build, "_error", None)
     monkeypatch.setattr(_build, "_prerequisites", lambda: None)
@@ -51,17 +36,17 @@ def _fake_compiler(monkeypatch, tmp_path, load):
     return directory
 
 
-def test_build_passes_the_defines_to_both_compilers(monkeypatch, tmp_path):
-    """``build`` hands the ``-D`` flags to the C++ and the CUDA compiler and builds in the
-    defines' own directory (the compiler itself faked)."""
+def test_build_passes_the_ieee_flags_to_both_compilers(monkeypatch, tmp_path):
+    """``build`` hands the C++ and the CUDA compiler their IEEE flags, no definitions, and
+    builds in ``build_directory`` (the compiler itself faked)."""
     seen = {}
-    _fake_compiler(monkeypatch, tmp_path, lambda **kw: seen.update(kw))
-    monkeypatch.setenv("NORMSPEC_BUILD_DEFINES", "NORMSPEC_ROW_WEIGHT_EARLY=1")
+    directory = _fake_compiler(monkeypatch, tmp_path, lambda **kw: seen.update(kw))
     path = _build.build(verbose=False)
-    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cflags"]
-    assert "-DNORMSPEC_ROW_WEIGHT_EARLY=1" in seen["extra_cuda_cflags"]
-    assert "-O3" in seen["extra_cuda_cflags"]  # added to the usual flags, not instead
-    assert "-defs" in seen["build_directory"] and path.startswith(seen["build_directory"])
+    assert seen["extra_cflags"] == _build.CFLAGS
+    assert seen["extra_cuda_cflags"] == _build.CUDA_CFLAGS
+    assert {"-fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"} <= set(
+        seen["extra_cuda_cflags"])
+    assert seen["build_directory"] == str(directory) and path.startswith(str(directory))
 
 
 def test_build_removes_the_lock_file_of_a_killed_build(monkeypatch, tmp_path, capsys):

@@ -7,11 +7,6 @@ torch sees a GPU and ``nvcc`` is found. The build is cached under
 ``~/.cache/normspec/torch_ext`` (one sub-directory per torch / CUDA / Python
 version), so only the first use pays for the compilation.
 
-``$NORMSPEC_BUILD_DEFINES`` (space-separated ``NAME`` or ``NAME=VALUE``) adds preprocessor
-definitions to every source: the kernels' build-time experiments, such as
-``NORMSPEC_ROW_WEIGHT_EARLY=0`` (see ``normspec_pipe.cuh``). A build with definitions gets
-a sub-directory of its own, so that it and the default build stay cached side by side.
-
 On POSIX systems, builds into one directory are serialised by an advisory lock
 (``normspec.flock``) that the operating system drops when the building process dies.
 ``torch.utils.cpp_extension``'s own lock (a file named ``lock``) is not dropped so: a build
@@ -26,7 +21,6 @@ which go on running, and beside which a second build then runs.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import sys
@@ -40,9 +34,7 @@ import torch
 # the same modules (setuptools, through cpp_extension) can meet one half initialised
 from torch.utils import cpp_extension
 
-from ..build_defines import build_defines
-
-__all__ = ["CSRC", "LAUNCH_UNITS", "available", "build", "build_defines", "build_directory",
+__all__ = ["CSRC", "LAUNCH_UNITS", "available", "build", "build_directory",
            "cuda_build_possible", "loaded"]
 
 #: The directory of the C++/CUDA sources (shipped in the wheel as package data).
@@ -93,11 +85,7 @@ def cuda_build_possible() -> str | None:
 def _tag(with_cuda: bool) -> str:
     dev = f"cu{torch.version.cuda}" if with_cuda else "cpu"
     torch_version = torch.__version__.replace("+", "_")
-    tag = f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
-    defines = build_defines()
-    if defines:
-        tag += "-defs" + hashlib.sha256(" ".join(defines).encode()).hexdigest()[:10]
-    return tag
+    return f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
 
 
 def build_directory(with_cuda: bool | None = None) -> Path:
@@ -115,11 +103,6 @@ def build_directory(with_cuda: bool | None = None) -> Path:
 
 
 def _prerequisites() -> str | None:
-    try:
-        build_defines()
-    except ValueError as exc:
-        return str(exc)
-
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} not on PATH)"
@@ -190,10 +173,9 @@ def build(verbose: bool = True) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         name = "normspec_torch_ext_cuda" if with_cuda else "normspec_torch_ext_cpu"
         if verbose:
-            extra = f" with {' '.join(build_defines())}" if build_defines() else ""
             print(
                 f"normspec: building {name} ({'CPU + CUDA' if with_cuda else 'CPU only'}) "
-                f"in {directory}{extra}",
+                f"in {directory}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -202,8 +184,8 @@ def build(verbose: bool = True) -> str:
                 cpp_extension.load(
                     name=name,
                     sources=sources,
-                    extra_cflags=CFLAGS + build_defines(),
-                    extra_cuda_cflags=CUDA_CFLAGS + build_defines(),
+                    extra_cflags=CFLAGS,
+                    extra_cuda_cflags=CUDA_CFLAGS,
                     extra_include_paths=[str(CSRC)],
                     build_directory=str(directory),
                     verbose=verbose,
