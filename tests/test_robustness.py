@@ -306,3 +306,14 @@ def test_install_hints_in_brackets_survive_the_console(registered, capsys):
     with console.capture() as cap:
         console.print(cli._backends_table(["hint-test"]))
     assert "thing[pytorch]" in cap.get()
+
+
+def test_conformance_explains_its_failed_lines_and_names_the_backend(registered, capsys,
+                                                                      tmp_path):
+    registered(_TwoOutputs())
+    rc, out = _main(capsys, "conformance", "--device", "cpu", "--quick", "--backend",
+                    "two-outputs-test", "--op", "rms_norm", "--profile", "cpu_fp32",
+                    "--out", str(tmp_path))
+    assert rc == 0  # no --require: the levels are reported, not judged
+    assert "failed checks (up to 5" in out and "'crash' lines" in out
+    assert "cpu_fp32 two-outputs-test: crash case=" in out

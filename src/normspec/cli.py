@@ -192,11 +192,13 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
                               out_dir=out_dir, command=_command(), console=console,
                               jobs=_jobs(args.jobs, device))
     # failing lines first (up to 5 per report and backend), the summary table last
-    for r in reports:
-        for name, res in r["results"].items():
-            for line in _failed_lines(res)[:5]:
-                console.print(f"{r['profile']} {name}: {line}", markup=False, highlight=False,
-                              soft_wrap=True)
+    failing = [(r["profile"], name, line) for r in reports
+               for name, res in r["results"].items() for line in _failed_lines(res)[:5]]
+    if failing:
+        console.print(FAILED_LINES_LEGEND, markup=False, highlight=False, soft_wrap=True)
+    for profile, name, line in failing:
+        console.print(f"{profile} {name}: {line}", markup=False, highlight=False,
+                      soft_wrap=True)
     console.print(summary_table(reports))
     distances = distance_table(reports)
     if distances.row_count:
@@ -212,6 +214,14 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
                       markup=False, highlight=False, soft_wrap=True)
         return 1 if problems else 2
     return 1 if problems else 0
+
+
+FAILED_LINES_LEGEND = (
+    "failed checks (up to 5 per report and backend; every one is in the JSON): "
+    "'forward'/'gradient ... vs=spec' lines are outside the tolerance; "
+    "'invariance pair=(B/full, B/T)' lines mean B's output for the same rows changed under "
+    "transform T (another batch, chunking, padding, order or memory layout), so B is not "
+    "invariant; 'crash' lines say what the backend raised or returned wrongly.")
 
 
 def _jobs(jobs: int | None, device: str) -> int:
