@@ -413,7 +413,7 @@ void launch_row(LaunchArgs a, const PipeGeometry& g, cudaStream_t stream,
 // ---- the gated forward one row per team, with a gate table in global memory ------------
 // Large bf16 gated forwards run the one-row kernel with act(z) read from a gate table in
 // global memory (normspec_fwd_row_kernel's GT) instead of the persistent kernel with its
-// per-block table in shared memory (about 5 % faster at 2^21 x 128 on the H200). The
+// per-block table in shared memory, which is slower on large launches. The
 // table (both activations) is a device variable of this translation unit, filled once
 // per process and device by a synchronous launch on the caller's stream; while a stream
 // is being captured into a CUDA graph it is not filled, and such a launch keeps the

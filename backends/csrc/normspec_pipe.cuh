@@ -1213,7 +1213,7 @@ __device__ __forceinline__ void dx_of_vec(const float (&v)[VEC], const float (&d
 //
 // The register budget (minimum resident 256-thread blocks): the saved-rstd
 // constant forms of 16-bit rows take more registers than the recomputing ones
-// (ptxas, bf16: fused 128 x 2 142 against 128, rms 32 x 1 79 against 61), which
+// (ptxas, bf16: 142 against 128 for the fused 128 x 2, 79 against 61 for rms 32 x 1), which
 // would cost a block per SM; capped, they keep the recomputing forms' occupancy
 // without spills (two passes: 128 registers; the rms norm's one pass: 64). The
 // fused and gated one-pass forms would spill at 64, so they keep their budget.
