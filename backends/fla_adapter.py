@@ -32,9 +32,9 @@ Every path has FLA's own Triton backward (``full``).
 
 FLA's kernels are autotuned (``triton.autotune`` over ``num_warps`` and rows per
 program, e.g. ``fla/modules/norm/layernorm.py`` lines 38-45 in fla-core 0.6.0),
-and the configs round differently: on the H200, a 4096 x 2048 bf16 ``rms_norm``
+and the configs round differently: on an H200, a 4096 x 2048 bf16 ``rms_norm``
 gave four different outputs under its four forward configs and the gated norm at
-4096 x 128 two (``bench/results/probes/fla_autotune_bits_9d7e7a9_H200.txt``).
+4096 x 128 two.
 Which config runs is decided by timing at first use and cached per machine
 (``FLA_CACHE_RESULTS=1``), so this adapter's bits, and its reports' mismatch
 lines, can differ between processes and machines.

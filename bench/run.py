@@ -54,7 +54,6 @@ import argparse
 import datetime as dt
 import functools
 import json
-import os
 import platform
 import sys
 import traceback
@@ -475,19 +474,6 @@ def parse_case(text: str) -> tuple[str, int, int]:
 BACKEND_FILTER: tuple[str, ...] = ()
 
 
-#: NORMSPEC_* variables that name the commit or the build's place, not how the code runs.
-_NOT_SWITCHES = frozenset({"NORMSPEC_GIT_COMMIT", "NORMSPEC_GIT_DIRTY", "NORMSPEC_BUILD_DIR"})
-
-
-def normspec_switches(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The ``NORMSPEC_*`` variables set for this run that change what runs (run-time
-    switches such as ``NORMSPEC_PDL=0`` and the build's ``NORMSPEC_BUILD_DEFINES``), so that
-    a result file says which form of the kernels it timed."""
-    environ = os.environ if environ is None else environ
-    return {k: environ[k] for k in sorted(environ)
-            if k.startswith("NORMSPEC_") and k not in _NOT_SWITCHES}
-
-
 def main(argv=None) -> int:
     global BACKEND_FILTER, ROUNDS, DEVICE_TIMING, FLUSH_MIB, HIDE_MS, AFTER_FLUSH_KERNELS
     # torch.compile donates buffers to its backward, which then refuses the
@@ -544,9 +530,6 @@ def main(argv=None) -> int:
            "copy_tbps": bw, "command": "python bench/run.py " + " ".join(argv or sys.argv[1:]),
            "device_timing": {"flush_mib": FLUSH_MIB, "hide_host_ms": HIDE_MS,
                              "after_flush_kernels": AFTER_FLUSH_KERNELS}}
-    switches = normspec_switches()
-    if switches:
-        env["normspec_switches"] = switches
     try:
         from normspec.report import git_state
 

@@ -151,9 +151,6 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
                   + ".", ""]
         if env.get("command"):
             lines += [f"Command: `{_cell(env['command'])}`", ""]
-        if env.get("normspec_switches"):
-            lines += ["Switches in effect: " + ", ".join(
-                f"`{_cell(k)}={_cell(v)}`" for k, v in env["normspec_switches"].items()), ""]
         if env.get("device_timing"):
             lines += [_timing_protocol(env["device_timing"]), ""]
         lines += ["| case | shape | direction | ours | µs [range] | fastest peer "

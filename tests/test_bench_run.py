@@ -252,13 +252,3 @@ def test_device_us_runs_the_after_flush_kernels_between_flush_and_sleep(monkeypa
     assert log[:2] == ["call", "call"]  # the warm-up and the host-time probe
     one = ["flush", "sleep 1", "sleep 1", "sleep 2000", "event", "call", "event"]
     assert log[2:] == one * 5
-
-
-def test_result_files_name_the_switches_in_effect():
-    """A run under ``NORMSPEC_BUILD_DEFINES`` or a run-time switch records it; the commit
-    and the build directory are not switches."""
-    env = {"NORMSPEC_BUILD_DEFINES": "NORMSPEC_BLOCK_FOLD_LOCAL=0", "NORMSPEC_PDL": "0",
-           "NORMSPEC_GIT_COMMIT": "abc1234", "NORMSPEC_BUILD_DIR": "/tmp/b", "PATH": "/bin"}
-    assert run.normspec_switches(env) == {"NORMSPEC_BUILD_DEFINES": "NORMSPEC_BLOCK_FOLD_LOCAL=0",
-                                          "NORMSPEC_PDL": "0"}
-    assert run.normspec_switches({"HOME": "/root"}) == {}

@@ -226,8 +226,7 @@ def test_benchmarks_page_ranks_multi_process_files(tmp_path):
             row("normspec torch_ext", "forward", [4.35, 4.50, 4.35]),
             row("device copy (same bytes)", "forward", [1.0, 1.0, 1.0])]
     env = {"processes": 3, "git": {"commit": "abc1234"}, "command": "bench/repeat.py x|y",
-           "device_timing": {"flush_mib": 1, "hide_host_ms": 2.0, "after_flush_kernels": 1},
-           "normspec_switches": {"NORMSPEC_PDL": "0"}}
+           "device_timing": {"flush_mib": 1, "hide_host_ms": 2.0, "after_flush_kernels": 1}}
     (tmp_path / "small.json").write_text(json.dumps({"environment": env, "rows": rows}))
     repeats = bench.load_repeats(tmp_path)
     md = "\n".join(bench.repeats_section(repeats))
