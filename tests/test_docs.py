@@ -233,7 +233,6 @@ def test_benchmarks_page_ranks_multi_process_files(tmp_path):
     assert "## Rankings over several processes" in md
     assert "processes: `3`; git.commit: `abc1234`" in md
     assert "Command: `bench/repeat.py x\\|y`" in md
-    assert "Switches in effect: `NORMSPEC_PDL=0`" in md
     assert ("Before each timed call: an L2 flush of 1 MiB, then 1 no-op kernel(s), then a "
             "2 ms sleep kernel that hides the host.") in md
     assert bench._timing_protocol({"flush_mib": 256, "hide_host_ms": 2.0}) == (
