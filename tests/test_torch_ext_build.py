@@ -13,8 +13,16 @@ def test_build_directory_follows_normspec_build_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
     cpu, cuda = _build.build_directory(with_cuda=False), _build.build_directory(with_cuda=True)
     assert cpu.parent == tmp_path == cuda.parent and cpu != cuda
-    assert cpu.name.startswith("torch") and cpu.name.endswith(
-        f"-cpu-py{sys.version_info.major}{sys.version_info.minor}")
+    assert cpu.name.startswith("torch")
+    assert f"-cpu-py{sys.version_info.major}{sys.version_info.minor}-env" in cpu.name
+
+
+def test_two_environments_keep_a_build_each(monkeypatch, tmp_path):
+    """The same torch and Python in two virtualenvs would rebuild each other's cache."""
+    monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
+    here = _build.build_directory(with_cuda=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    assert _build.build_directory(with_cuda=False) != here
 
 
 def _fake_compiler(monkeypatch, tmp_path, load):
@@ -22,14 +30,12 @@ def _fake_compiler(monkeypatch, tmp_path, load):
     keywords), into ``tmp_path``; the CUDA build directory, created."""
     from torch.utils import cpp_extension
 
-    from normspec.backends.torch_ext import _ops
-
     monkeypatch.setenv("NORMSPEC_BUILD_DIR", str(tmp_path))
     monkeypatch.setattr(_build, "_loaded", None)
     monkeypatch.setattr(_build, "_error", None)
     monkeypatch.setattr(_build, "_prerequisites", lambda: None)
     monkeypatch.setattr(_build, "cuda_build_possible", lambda: None)
-    monkeypatch.setattr(_ops, "_register_python_parts", lambda: None)
+    monkeypatch.setattr(_build, "AFTER_LOAD", [])
     monkeypatch.setattr(cpp_extension, "load", load)
     directory = _build.build_directory(with_cuda=True)
     directory.mkdir(parents=True)

@@ -408,3 +408,47 @@ def test_available_and_build():
     assert te.available() is None
     assert te.loaded()
     assert te.build(verbose=False).endswith(".so")
+
+
+def _built():
+    te.build(verbose=False)
+    return torch.ops.normspec
+
+
+@pytest.mark.parametrize(("call", "words"), [
+    (lambda ops, x, w: ops.rms_norm(x, w.to("meta"), 1e-6, 1.0), ["weight", "meta"]),
+    (lambda ops, x, w: ops.rms_norm(x.to("meta"), w.to("meta"), -1.0, 1.0), ["eps", "-1.0"]),
+    (lambda ops, x, w: ops.rms_norm(x.to("meta"), w.to("meta"), 1e-50, 1.0),
+     ["eps", "fp32"]),
+    (lambda ops, x, w: ops.fused_add_rms_norm(x.to("meta"), x.to("meta"), w.to("meta"), 1e-6,
+                                              1.0, "nonsense"), ["residual_sum", "nonsense"]),
+    (lambda ops, x, w: ops.rms_norm_gated(x, x.to("meta"), w, 1e-6, "vllm", "silu"),
+     ["gate", "meta"]),
+    (lambda ops, x, w: ops.rms_norm_backward(x[:2].to("meta"), x.to("meta"), w.to("meta"),
+                                             1e-6, 1.0), ["dy", "shape"]),
+])
+def test_the_fake_kernels_check_what_the_real_ones_check(call, words):
+    """A meta tensor among the arguments sends the call to the fake kernel: it must refuse
+    what the C++ kernels refuse instead of returning an uninitialised tensor."""
+    ops = _built()
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as info:
+        call(ops, x, w)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_gated"])
+def test_double_backward_raises_a_clear_error(op):
+    x = torch.randn(4, 8, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(8).requires_grad_()
+    other = torch.randn(4, 8)
+    if op == "rms_norm":
+        y = te.rms_norm(x, w, eps=1e-6)
+    elif op == "fused_add_rms_norm":
+        y = te.fused_add_rms_norm(x, other, w, eps=1e-6)[0]
+    else:
+        y = te.rms_norm_gated(x, other, w, eps=1e-6)
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="has no double backward"):
+        torch.autograd.grad(dx.sum(), w)

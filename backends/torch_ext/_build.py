@@ -4,8 +4,9 @@ The C++ and CUDA sources live in ``normspec/backends/csrc`` (shared with the
 CuPy backend). The CPU kernels are always built; the CUDA kernels only when
 torch sees a GPU and ``nvcc`` is found. The build is cached under
 ``$NORMSPEC_BUILD_DIR`` or ``$TORCH_EXTENSIONS_DIR/normspec`` or
-``~/.cache/normspec/torch_ext`` (one sub-directory per torch / CUDA / Python
-version), so only the first use pays for the compilation.
+``~/.cache/normspec/torch_ext`` (one sub-directory per torch / CUDA / Python version and
+Python environment, so that two environments on one machine keep a build each), and only
+the first use pays for the compilation.
 
 On POSIX systems, builds into one directory are serialised by an advisory lock
 (``normspec.flock``) that the operating system drops when the building process dies.
@@ -21,6 +22,7 @@ which go on running, and beside which a second build then runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import sys
@@ -34,7 +36,7 @@ import torch
 # the same modules (setuptools, through cpp_extension) can meet one half initialised
 from torch.utils import cpp_extension
 
-__all__ = ["CSRC", "LAUNCH_UNITS", "available", "build", "build_directory",
+__all__ = ["AFTER_LOAD", "CSRC", "LAUNCH_UNITS", "available", "build", "build_directory",
            "cuda_build_possible", "loaded"]
 
 #: The directory of the C++/CUDA sources (shipped in the wheel as package data).
@@ -67,6 +69,10 @@ CUDA_CFLAGS = [
     "-ffp-contract=off",
 ]
 
+#: Called once the library is loaded, before ``build`` returns: the operators' Python
+#: parts (fake kernels, autograd) register themselves here when their module is imported.
+AFTER_LOAD: list = []
+
 _lock = threading.Lock()
 _loaded: str | None = None  # the library path once loaded
 _error: str | None = None  # why the last build/load failed
@@ -85,7 +91,11 @@ def cuda_build_possible() -> str | None:
 def _tag(with_cuda: bool) -> str:
     dev = f"cu{torch.version.cuda}" if with_cuda else "cpu"
     torch_version = torch.__version__.replace("+", "_")
-    return f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
+    # the environment: torch's headers and libraries come from it, and a build made in
+    # another environment (the same versions) would be rebuilt, evicting that one's
+    env = hashlib.sha256(str(Path(sys.prefix).resolve()).encode()).hexdigest()[:8]
+    return (f"torch{torch_version}-{dev}-py{sys.version_info.major}{sys.version_info.minor}"
+            f"-env{env}")
 
 
 def build_directory(with_cuda: bool | None = None) -> Path:
@@ -195,9 +205,8 @@ def build(verbose: bool = True) -> str:
         except Exception as exc:
             _error = f"build failed: {type(exc).__name__}: {exc}"
             raise RuntimeError(f"normspec torch_ext: {_error}") from exc
-        from . import _ops
-
-        _ops._register_python_parts()
+        for hook in AFTER_LOAD:
+            hook()
         path = str(directory / f"{name}.so")
         _loaded = path
         _error = None

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from normspec.progress import announced_if_slow
 from normspec.spec.validation import (
     ACTIVATIONS,
     GATED_CONVENTIONS,
@@ -26,14 +25,14 @@ _registered = False
 
 
 def _ensure() -> None:
-    """Build/load the extension on first use (a no-op afterwards)."""
+    """Build/load the extension on first use (a no-op afterwards); said only when it takes
+    a while (a build, not a load from the cache)."""
     if not _build.loaded():
-        print(
-            "normspec: compiling the torch extension on first use (cached afterwards)...",
-            file=sys.stderr,
-            flush=True,
-        )
-        _build.build(verbose=False)
+        announced_if_slow(
+            lambda: _build.build(verbose=False),
+            f"normspec: building the torch extension in {_build.build_directory()} "
+            "(first use; cached afterwards) ...",
+            lambda _path, seconds: f"normspec: torch extension ready after {seconds:.0f} s")
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:
@@ -116,7 +115,9 @@ def rms_norm_gated(
     return torch.ops.normspec.rms_norm_gated(x, gate, weight, eps, convention, activation)
 
 
-# ---- fake (meta) kernels: outputs are contiguous, like the real kernels' -------
+# ---- fake (meta) kernels: the real kernels' checks, then contiguous outputs ---------
+# A call whose tensors include a meta tensor reaches these instead of the C++ kernels, so
+# they check what those check: devices, shapes, dtypes, eps/offset and the strings.
 def _rows_like(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
@@ -125,45 +126,89 @@ def _rstd_like(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+def _check_norm(x, weight, eps, offset=0.0, **likes):
+    check_input("x", x)
+    for name, t in likes.items():
+        if t is not None:
+            check_like(name, t, x)
+    check_weight(weight, x)
+    check_eps(eps)
+    check_offset(offset)
+
+
+def _check_rstd(rstd, x):
+    if rstd is not None and (rstd.shape != x.shape[:-1] or rstd.dtype != torch.float32
+                             or rstd.device != x.device):
+        raise ValueError(f"rstd: expected float32 of shape {tuple(x.shape[:-1])} on "
+                         f"{x.device}, got {rstd.dtype} {tuple(rstd.shape)} on {rstd.device}")
+
+
 def _fake_rms_norm(x, weight, eps, offset):
+    _check_norm(x, weight, eps, offset)
     return _rows_like(x)
 
 
 def _fake_rms_norm_with_rstd(x, weight, eps, offset):
+    _check_norm(x, weight, eps, offset)
     return _rows_like(x), _rstd_like(x)
 
 
 def _fake_rms_norm_backward(dy, x, weight, eps, offset, rstd=None):
+    _check_norm(x, weight, eps, offset, dy=dy)
+    _check_rstd(rstd, x)
     return _rows_like(x), weight.new_empty(weight.shape)
 
 
+def _check_fused(x, residual, weight, eps, offset, residual_sum, **likes):
+    _check_norm(x, weight, eps, offset, residual=residual, **likes)
+    check_choice("residual_sum", residual_sum, RESIDUAL_SUMS)
+
+
 def _fake_fused(x, residual, weight, eps, offset, residual_sum):
+    _check_fused(x, residual, weight, eps, offset, residual_sum)
     return _rows_like(x), _rows_like(x)
 
 
 def _fake_fused_with_rstd(x, residual, weight, eps, offset, residual_sum):
+    _check_fused(x, residual, weight, eps, offset, residual_sum)
     return _rows_like(x), _rows_like(x), _rstd_like(x)
 
 
 def _fake_fused_backward(dy, dresidual_out, x, residual, weight, eps, offset, residual_sum,
                          rstd=None):
+    _check_fused(x, residual, weight, eps, offset, residual_sum, dy=dy,
+                 dresidual_out=dresidual_out)
+    _check_rstd(rstd, x)
     return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
 
 
 def _fake_fused_backward_from_sum(dy, dresidual_out, s, weight, eps, offset, residual_sum,
                                   rstd=None):
+    _check_norm(s, weight, eps, offset, dy=dy, dresidual_out=dresidual_out)
+    check_choice("residual_sum", residual_sum, RESIDUAL_SUMS)
+    _check_rstd(rstd, s)
     return _rows_like(s), weight.new_empty(weight.shape)
 
 
+def _check_gated(x, gate, weight, eps, convention, activation, **likes):
+    _check_norm(x, weight, eps, gate=gate, **likes)
+    check_choice("convention", convention, GATED_CONVENTIONS)
+    check_choice("activation", activation, ACTIVATIONS)
+
+
 def _fake_gated(x, gate, weight, eps, convention, activation):
+    _check_gated(x, gate, weight, eps, convention, activation)
     return _rows_like(x)
 
 
 def _fake_gated_with_rstd(x, gate, weight, eps, convention, activation):
+    _check_gated(x, gate, weight, eps, convention, activation)
     return _rows_like(x), _rstd_like(x)
 
 
 def _fake_gated_backward(dy, x, gate, weight, eps, convention, activation, rstd=None):
+    _check_gated(x, gate, weight, eps, convention, activation, dy=dy)
+    _check_rstd(rstd, x)
     return _rows_like(x), _rows_like(x), weight.new_empty(weight.shape)
 
 
@@ -253,6 +298,15 @@ def _backward_gated(ctx, dy, _drstd=None):
     return dx, dgate, dweight, None, None, None
 
 
+def _no_double_backward(op: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"normspec torch_ext: {op} has no double backward (a gradient of its gradient, "
+            "as create_graph=True asks for); the spec declares first derivatives only")
+
+    return backward
+
+
 def _with_rstd(setup):
     def setup_with_rstd(ctx, inputs, output):
         setup(ctx, inputs, output, with_rstd=True)
@@ -294,4 +348,10 @@ def _register_python_parts() -> None:
         "normspec::rms_norm_gated_with_rstd", _backward_gated,
         setup_context=_with_rstd(_setup_gated),
     )
+    for op in ("rms_norm_backward", "fused_add_rms_norm_backward",
+               "fused_add_rms_norm_backward_from_sum", "rms_norm_gated_backward"):
+        lib.register_autograd(f"normspec::{op}", _no_double_backward(op))
     _registered = True
+
+
+_build.AFTER_LOAD.append(_register_python_parts)
