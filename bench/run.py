@@ -307,12 +307,12 @@ def _load_torch_ext():
 def _load_cupy():
     found = []
     try:
-        from normspec.backends import cupy_backend
+        from normspec.backends import cupy as normspec_cupy
 
         print("loading the CuPy backend (its first use on a machine compiles its kernels)",
               file=sys.stderr, flush=True)
-        if cupy_backend.available() is None:
-            found.append(("normspec cupy", cupy_backend))
+        if normspec_cupy.available() is None:
+            found.append(("normspec cupy", normspec_cupy))
     except Exception as exc:
         print(f"cupy backend unavailable: {exc}", file=sys.stderr)
     return found

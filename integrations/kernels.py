@@ -12,7 +12,7 @@ __all__ = ["KERNEL_BACKENDS", "NormKernels", "norm_kernels"]
 #: ``rms_norm_gated`` with the spec's signatures and autograd.
 KERNEL_BACKENDS = {
     "torch_ext": "normspec.backends.torch_ext",
-    "cupy": "normspec.backends.cupy_backend",
+    "cupy": "normspec.backends.cupy",
 }
 
 

@@ -37,7 +37,7 @@ def pytest_configure(config):
 def _no_kept_cupy_launch_plans():
     """Each test starts with none of the CuPy backend's kept launch plans: a test that
     stands in for its device queries or watches its planners must see them asked."""
-    backend = sys.modules.get("normspec.backends.cupy_backend")
+    backend = sys.modules.get("normspec.backends.cupy")
     if backend is not None:
         backend.clear_launch_plans()
 

@@ -493,7 +493,7 @@ def test_backward_offsets_fit_32_bits(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1" if fits else "0" for _, fits in OFFSETS_FIT_CASES]
-    from normspec.backends import cupy_backend as cb
+    from normspec.backends import cupy as cb
 
     assert [cb.offsets_fit_32(n, hidden, () if name is None else (stride,))
             for (n, hidden, name, stride), _ in OFFSETS_FIT_CASES] == [

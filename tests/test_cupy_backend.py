@@ -32,7 +32,7 @@ pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
 
 from normspec import spec  # noqa: E402
-from normspec.backends import cupy_backend as cb  # noqa: E402
+from normspec.backends import cupy as cb  # noqa: E402
 
 EPS = 1e-6
 SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
@@ -663,7 +663,7 @@ def test_autograd_backward_first_in_a_fresh_process(case):
     script = textwrap.dedent("""
         import faulthandler
         import torch
-        from normspec.backends import cupy_backend as cb
+        from normspec.backends import cupy as cb
         faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread
         g = torch.Generator().manual_seed(5)
     """) + textwrap.dedent(_FRESH_BACKWARDS[case]) + textwrap.dedent("""
@@ -685,7 +685,7 @@ def test_first_call_of_a_fresh_process_in_a_fresh_thread():
         import faulthandler
         import threading
         import torch
-        from normspec.backends import cupy_backend as cb
+        from normspec.backends import cupy as cb
         faulthandler.dump_traceback_later(240, exit=True)  # a hang shows every thread
         g = torch.Generator().manual_seed(6)
         x = torch.randn(64, 2048, generator=g).bfloat16().cuda()

@@ -31,7 +31,7 @@ import pytest
 import torch
 from test_cupy_nvrtc import _CpuSide, _record_launches
 
-from normspec.backends import cupy_backend as cb
+from normspec.backends import cupy as cb
 
 TORCH_DTYPES = {cb.DT_F32: torch.float32, cb.DT_BF16: torch.bfloat16, cb.DT_F16: torch.float16}
 EPS = 1e-6

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import compile_ahead
-from normspec.backends import cupy_backend as cb
+from normspec.backends import cupy as cb
 
 EPS = 1e-6
 

@@ -29,7 +29,7 @@ TABLE_ROW = re.compile(r"^\|\s*``(NORMSPEC_[A-Z0-9_]+)``\s*\|", re.MULTILINE)
 BACKEND_FILES = {
     "torch_ext": (BACKENDS / "torch_ext" / "__init__.py",
                   sorted((BACKENDS / "torch_ext").glob("*.py"))),
-    "cupy": (BACKENDS / "cupy_backend.py", [BACKENDS / "cupy_backend.py"]),
+    "cupy": (BACKENDS / "cupy" / "__init__.py", sorted((BACKENDS / "cupy").glob("*.py"))),
 }
 
 

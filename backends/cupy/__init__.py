@@ -1,4 +1,4 @@
-"""``normspec.backends.cupy_backend``: the first-party CUDA kernels through CuPy and NVRTC.
+"""``normspec.backends.cupy``: the first-party CUDA kernels through CuPy and NVRTC.
 
 The kernels are the torch extension's own (``backends/csrc``, shipped as package data),
 compiled as they are by NVRTC, lazily: one module per (operator, dtype, direction)
@@ -26,17 +26,17 @@ Without it the modules are cached in ``$CUPY_CACHE_DIR/normspec``, else in
 
 Python API (torch CUDA tensors *or* CuPy arrays; the result has the input's kind):
 
-* [`rms_norm`][normspec.backends.cupy_backend.rms_norm]`(x, weight, *, eps, offset=0.0)`
-* [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]`(x, residual,
+* [`rms_norm`][normspec.backends.cupy.rms_norm]`(x, weight, *, eps, offset=0.0)`
+* [`fused_add_rms_norm`][normspec.backends.cupy.fused_add_rms_norm]`(x, residual,
   weight, *, eps, offset=0.0, residual_sum="fp32") -> (y, new_residual)`
-* [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]`(x, gate, weight, *,
+* [`rms_norm_gated`][normspec.backends.cupy.rms_norm_gated]`(x, gate, weight, *,
   eps, convention="vllm", activation="silu")`
 * the explicit backward functions ``rms_norm_backward``, ``fused_add_rms_norm_backward``,
   ``fused_add_rms_norm_backward_from_sum``, ``rms_norm_gated_backward`` (the torch
   extension's arguments and results, ``rstd`` a keyword), and the forwards that also
   return rstd for them, ``rms_norm_with_rstd``, ``fused_add_rms_norm_with_rstd``,
   ``rms_norm_gated_with_rstd`` (no autograd)
-* [`available`][normspec.backends.cupy_backend.available]`() -> str | None`
+* [`available`][normspec.backends.cupy.available]`() -> str | None`
 
 torch tensors enter zero-copy as pointers and strides; outputs are allocated by torch
 and come back as torch tensors; kernels run on torch's current stream, and gradients
@@ -128,7 +128,7 @@ __all__ = [
 ]
 
 #: The directory of the CUDA sources (package data shared with the torch extension).
-CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 KERNELS = "normspec_pipe.cuh"
 #: The headers the NVRTC program includes: the kernels, and the gated backward's pair
 #: kernel (``normspec_gated_bwd.cuh``, which the torch extension's launcher includes too).
@@ -889,7 +889,7 @@ def compile_kernels(names: Sequence[str], arch: str) -> tuple[bytes, dict[str, s
     ``"compute_90"`` PTX); returns ``(image, {name expression: lowered name}, log)``.
 
     Needs CuPy and NVRTC only, no GPU. Raises
-    [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError].
+    [`NVRTCCompileError`][normspec.backends.cupy.NVRTCCompileError].
     """
     cp = _cupy()
     nvrtc = cp.cuda.nvrtc
@@ -1003,7 +1003,7 @@ def compile_modules(dev: int | None = None, *, jobs: int | None = None) -> float
     (the torch extension builds' variable) or else one per CPU core. Returns the seconds
     it took. On a machine's first use this is the 21 NVRTC compiles, each up to tens of
     seconds on one core, which one after another would take minutes.
-    Raises [`NVRTCCompileError`][normspec.backends.cupy_backend.NVRTCCompileError] (the
+    Raises [`NVRTCCompileError`][normspec.backends.cupy.NVRTCCompileError] (the
     first module's failure, after the others finished)."""
     cp = _cupy()
     if dev is None:
@@ -2261,7 +2261,7 @@ def rms_norm_gated(x: Any, gate: Any, weight: Any, *, eps: float, convention: st
 
 def rms_norm_with_rstd(x: Any, weight: Any, *, eps: float, offset: float = 0.0
                        ) -> tuple[Any, Any]:
-    """``(y, rstd)``: [`rms_norm`][normspec.backends.cupy_backend.rms_norm] and each row's
+    """``(y, rstd)``: [`rms_norm`][normspec.backends.cupy.rms_norm] and each row's
     rstd as the forward kernel computed it (float32, ``x.shape[:-1]``: the spec's bits),
     for the explicit backward's ``rstd``, which then reads it instead of recomputing it
     (the torch extension's ``rms_norm_with_rstd``). It builds no autograd graph: torch
@@ -2275,9 +2275,9 @@ def fused_add_rms_norm_with_rstd(x: Any, residual: Any, weight: Any, *, eps: flo
                                  offset: float = 0.0, residual_sum: str = "fp32"
                                  ) -> tuple[Any, Any, Any]:
     """``(y, new_residual, rstd)``:
-    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm] and each
+    [`fused_add_rms_norm`][normspec.backends.cupy.fused_add_rms_norm] and each
     row's rstd, as in
-    [`rms_norm_with_rstd`][normspec.backends.cupy_backend.rms_norm_with_rstd].
+    [`rms_norm_with_rstd`][normspec.backends.cupy.rms_norm_with_rstd].
     """
     y, res, rstd = _run(OP_FUSED, {"x": x, "residual": residual}, weight, eps,
                         {"offset": offset, "residual_sum": residual_sum}, with_rstd=True)
@@ -2287,9 +2287,9 @@ def fused_add_rms_norm_with_rstd(x: Any, residual: Any, weight: Any, *, eps: flo
 def rms_norm_gated_with_rstd(x: Any, gate: Any, weight: Any, *, eps: float,
                              convention: str = "vllm", activation: str = "silu"
                              ) -> tuple[Any, Any]:
-    """``(y, rstd)``: [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated] and
+    """``(y, rstd)``: [`rms_norm_gated`][normspec.backends.cupy.rms_norm_gated] and
     each row's rstd, as in
-    [`rms_norm_with_rstd`][normspec.backends.cupy_backend.rms_norm_with_rstd].
+    [`rms_norm_with_rstd`][normspec.backends.cupy.rms_norm_with_rstd].
     """
     y, rstd = _run(OP_GATED, {"x": x, "gate": gate}, weight, eps,
                    {"convention": convention, "activation": activation}, with_rstd=True)
@@ -2298,7 +2298,7 @@ def rms_norm_gated_with_rstd(x: Any, gate: Any, weight: Any, *, eps: float,
 
 def rms_norm_backward(dy: Any, x: Any, weight: Any, *, eps: float, offset: float = 0.0,
                       rstd: Any | None = None) -> tuple[Any, Any]:
-    """``(dx, dweight)`` of [`rms_norm`][normspec.backends.cupy_backend.rms_norm].
+    """``(dx, dweight)`` of [`rms_norm`][normspec.backends.cupy.rms_norm].
     ``rstd``: the forward's (``rms_norm_with_rstd``), read instead of recomputed (the same
     bits)."""
     dx, dw = _run_backward(OP_RMS, {"dy": dy}, {"x": x}, weight, eps, {"offset": offset},
@@ -2311,8 +2311,8 @@ def fused_add_rms_norm_backward(dy: Any, dresidual_out: Any, x: Any, residual: A
                                 residual_sum: str = "fp32", rstd: Any | None = None
                                 ) -> tuple[Any, Any, Any]:
     """``(dx, dresidual, dweight)`` of
-    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm]; ``rstd`` as
-    in [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
+    [`fused_add_rms_norm`][normspec.backends.cupy.fused_add_rms_norm]; ``rstd`` as
+    in [`rms_norm_backward`][normspec.backends.cupy.rms_norm_backward]."""
     dx, dres, dw = _run_backward(
         OP_FUSED, {"dy": dy, "dresidual_out": dresidual_out}, {"x": x, "residual": residual},
         weight, eps, {"offset": offset, "residual_sum": residual_sum}, rstd)
@@ -2324,12 +2324,12 @@ def fused_add_rms_norm_backward_from_sum(dy: Any, dresidual_out: Any, s: Any, we
                                          residual_sum: str = "rounded",
                                          rstd: Any | None = None) -> tuple[Any, Any]:
     """``(ds, dweight)`` of
-    [`fused_add_rms_norm`][normspec.backends.cupy_backend.fused_add_rms_norm] from the
+    [`fused_add_rms_norm`][normspec.backends.cupy.fused_add_rms_norm] from the
     sum ``s`` its norm read: the forward's new residual where that is the sum,
     ``residual_sum="rounded"`` or float32 rows (the torch extension's
     ``fused_add_rms_norm_backward_from_sum``). ``ds`` is both dx and dresidual (the same
     bits by the spec); one row tensor is read instead of x and the residual. ``rstd`` as
-    in [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
+    in [`rms_norm_backward`][normspec.backends.cupy.rms_norm_backward]."""
     ds, dw = _run_backward(
         OP_FUSED_SUM, {"dy": dy, "dresidual_out": dresidual_out}, {"s": s}, weight, eps,
         {"offset": offset, "residual_sum": residual_sum}, rstd)
@@ -2340,8 +2340,8 @@ def rms_norm_gated_backward(dy: Any, x: Any, gate: Any, weight: Any, *, eps: flo
                             convention: str = "vllm", activation: str = "silu",
                             rstd: Any | None = None) -> tuple[Any, Any, Any]:
     """``(dx, dgate, dweight)`` of
-    [`rms_norm_gated`][normspec.backends.cupy_backend.rms_norm_gated]; ``rstd`` as in
-    [`rms_norm_backward`][normspec.backends.cupy_backend.rms_norm_backward]."""
+    [`rms_norm_gated`][normspec.backends.cupy.rms_norm_gated]; ``rstd`` as in
+    [`rms_norm_backward`][normspec.backends.cupy.rms_norm_backward]."""
     dx, dg, dw = _run_backward(OP_GATED, {"dy": dy}, {"x": x, "gate": gate}, weight, eps,
                                {"convention": convention, "activation": activation}, rstd)
     return dx, dg, dw
@@ -2387,7 +2387,7 @@ class CupyBackend(Backend):
 
     def build(self, verbose: bool = True) -> str:
         """``normspec build``: compiles the modules the disk cache lacks for the current
-        device (side by side, [`compile_modules`][normspec.backends.cupy_backend.compile_modules])
+        device (side by side, [`compile_modules`][normspec.backends.cupy.compile_modules])
         and loads them. Returns what it did; "skipped" with the reason where CuPy or a GPU
         is missing. Raises ``RuntimeError`` with NVRTC's or the driver's reason."""
         if _compile_error is None:  # CuPy or a GPU missing: nothing to build here
@@ -2415,7 +2415,7 @@ class CupyBackend(Backend):
         raise ValueError(f"op: unknown operator {op!r}; expected one of {list(_OPS)}")
 
 
-#: The registry entry point object (``cupy = "normspec.backends.cupy_backend:backend"``).
+#: The registry entry point object (``cupy = "normspec.backends.cupy:backend"``).
 backend = CupyBackend()
 # CuPy (where installed) is imported with this module, in the importing thread: prepare()
 # runs in a thread of its own beside other backends' imports (registry.statuses), and two
