@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .rms_norm import normalize_backward, normalize_rows, row_tree, weight_scale
+from .blocks import by_row_blocks
+from .rms_norm import normalize_backward, normalize_rows, weight_scale
 from .validation import (
     RESIDUAL_SUMS,
     check_choice,
@@ -98,10 +99,15 @@ def fused_add_rms_norm(
         ``(y, new_residual)``, both in ``x``'s dtype.
     """
     eps, offset, residual_sum = _check(x, residual, weight, eps, offset, residual_sum)
-    s = _residual_sum(x, residual, residual_sum)
-    shat, _ = normalize_rows(s, eps)
-    y = (shat * weight_scale(weight, offset)).to(x.dtype)
-    return y, s.to(x.dtype)
+    scale = weight_scale(weight, offset)
+
+    def rows(xb: torch.Tensor, rb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = _residual_sum(xb, rb, residual_sum)
+        shat, _ = normalize_rows(s, eps)
+        return (shat * scale).to(x.dtype), s.to(x.dtype)
+
+    y, new_residual = by_row_blocks(rows, [x, residual])
+    return y, new_residual
 
 
 def fused_add_rms_norm_backward(
@@ -129,12 +135,16 @@ def fused_add_rms_norm_backward(
     eps, offset, residual_sum = _check(x, residual, weight, eps, offset, residual_sum)
     check_like("dy", dy, x)
     check_like("dresidual_out", dresidual_out, x)
-    s = _residual_sum(x, residual, residual_sum)
-    shat, rstd = normalize_rows(s, eps)
-    dy32 = dy.to(F32)
-    dsn = normalize_backward(dy32 * weight_scale(weight, offset), shat, rstd)
-    if residual_sum == "rounded":
-        dsn = dsn.to(x.dtype).to(F32)
-    ds = (dsn + dresidual_out.to(F32)).to(x.dtype)
-    dweight = row_tree(dy32 * shat).to(weight.dtype)
-    return ds, ds.clone(), dweight
+    scale = weight_scale(weight, offset)
+
+    def rows(dyb, drb, xb, rb):
+        s = _residual_sum(xb, rb, residual_sum)
+        shat, rstd = normalize_rows(s, eps)
+        dy32 = dyb.to(F32)
+        dsn = normalize_backward(dy32 * scale, shat, rstd)
+        if residual_sum == "rounded":
+            dsn = dsn.to(x.dtype).to(F32)
+        return (dsn + drb.to(F32)).to(x.dtype), dy32 * shat
+
+    ds, dweight = by_row_blocks(rows, [dy, dresidual_out, x, residual], row_tree=True)
+    return ds, ds.clone(), dweight.to(weight.dtype)

@@ -45,7 +45,8 @@ from __future__ import annotations
 import torch
 
 from . import arithmetic as A
-from .rms_norm import normalize_backward, normalize_rows, row_tree
+from .blocks import by_row_blocks
+from .rms_norm import normalize_backward, normalize_rows
 from .validation import (
     ACTIVATIONS,
     GATED_CONVENTIONS,
@@ -113,8 +114,13 @@ def rms_norm_gated(
         ``y`` with ``x``'s shape and dtype.
     """
     eps, convention, activation = _check(x, gate, weight, eps, convention, activation)
-    _, _, _, u32 = _forward_parts(x, weight, eps, convention)
-    return (u32 * _ACT[activation](gate)).to(x.dtype)
+
+    def rows(xb: torch.Tensor, gb: torch.Tensor) -> tuple[torch.Tensor]:
+        _, _, _, u32 = _forward_parts(xb, weight, eps, convention)
+        return ((u32 * _ACT[activation](gb)).to(x.dtype),)
+
+    (y,) = by_row_blocks(rows, [x, gate])
+    return y
 
 
 def rms_norm_gated_backward(
@@ -135,17 +141,21 @@ def rms_norm_gated_backward(
     """
     eps, convention, activation = _check(x, gate, weight, eps, convention, activation)
     check_like("dy", dy, x)
-    xhat, rstd, t32, u32 = _forward_parts(x, weight, eps, convention)
     w32 = weight.to(F32)
-    dy32 = dy.to(F32)
-    a = _ACT[activation](gate)
-    dgate = ((dy32 * u32) * _ACT_GRAD[activation](gate)).to(x.dtype)
-    du = dy32 * a
-    if convention == "vllm":
-        dxhat = du * w32
-    else:
-        du = du.to(_promoted(x, weight)).to(F32)
-        dxhat = (du * w32).to(_promoted(x, weight)).to(x.dtype).to(F32)
-    dweight = row_tree(du * t32).to(weight.dtype)
-    dx = normalize_backward(dxhat, xhat, rstd).to(x.dtype)
-    return dx, dgate, dweight
+    promoted = _promoted(x, weight)
+
+    def rows(dyb, xb, gb):
+        xhat, rstd, t32, u32 = _forward_parts(xb, weight, eps, convention)
+        dy32 = dyb.to(F32)
+        dgate = ((dy32 * u32) * _ACT_GRAD[activation](gb)).to(x.dtype)
+        du = dy32 * _ACT[activation](gb)
+        if convention == "vllm":
+            dxhat = du * w32
+        else:
+            du = du.to(promoted).to(F32)
+            dxhat = (du * w32).to(promoted).to(x.dtype).to(F32)
+        dx = normalize_backward(dxhat, xhat, rstd).to(x.dtype)
+        return dx, dgate, du * t32
+
+    dx, dgate, dweight = by_row_blocks(rows, [dy, x, gate], row_tree=True)
+    return dx, dgate, dweight.to(weight.dtype)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from . import arithmetic as A
+from .blocks import by_row_blocks
 from .validation import check_eps, check_input, check_like, check_offset, check_weight
 
 __all__ = ["rms_norm", "rms_norm_backward"]
@@ -108,8 +109,14 @@ def rms_norm(
     check_weight(weight, x)
     eps = check_eps(eps)
     offset = check_offset(offset)
-    xhat, _ = normalize_rows(x.to(F32), eps)
-    return (xhat * weight_scale(weight, offset)).to(x.dtype)
+    scale = weight_scale(weight, offset)
+
+    def rows(xb: torch.Tensor) -> tuple[torch.Tensor]:
+        xhat, _ = normalize_rows(xb.to(F32), eps)
+        return ((xhat * scale).to(x.dtype),)
+
+    (y,) = by_row_blocks(rows, [x])
+    return y
 
 
 def rms_norm_backward(
@@ -130,9 +137,14 @@ def rms_norm_backward(
     check_weight(weight, x)
     eps = check_eps(eps)
     offset = check_offset(offset)
-    xhat, rstd = normalize_rows(x.to(F32), eps)
-    dy32 = dy.to(F32)
-    dx = normalize_backward(dy32 * weight_scale(weight, offset), xhat, rstd)
-    dweight = row_tree(dy32 * xhat)
-    return dx.to(x.dtype), dweight.to(weight.dtype)
+    scale = weight_scale(weight, offset)
+
+    def rows(dyb: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xhat, rstd = normalize_rows(xb.to(F32), eps)
+        dy32 = dyb.to(F32)
+        dx = normalize_backward(dy32 * scale, xhat, rstd)
+        return dx.to(x.dtype), dy32 * xhat
+
+    dx, dweight = by_row_blocks(rows, [dy, x], row_tree=True)
+    return dx, dweight.to(weight.dtype)
 
