@@ -452,3 +452,25 @@ def test_double_backward_raises_a_clear_error(op):
     (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="has no double backward"):
         torch.autograd.grad(dx.sum(), w)
+
+
+@pytest.mark.parametrize("shape", [(40_000, 64), (3, 1 << 19), (17, 1 << 16)])
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_gated"])
+def test_blocked_dweight_is_the_row_tree(shape, op):
+    """Rows past one block (2^20 contributions) are summed block by block, then over the
+    blocks: the bits of the spec's one row tree."""
+    from normspec.ops import OPS
+
+    spec_op = OPS[op]
+    params = spec_op.variants[-1]
+    s = spec_op.make_sample(shape, torch.bfloat16, params=params, seed=5,
+                            weight_dtype=torch.float32)
+    ins = [t.clone().requires_grad_() for t in s.row_list(spec_op)]
+    w = s.weight.clone().requires_grad_()
+    got = te.backend.forward(op, dict(zip(spec_op.row_inputs, ins, strict=True)), w,
+                             eps=s.eps, **s.params)
+    gen = torch.Generator().manual_seed(6)
+    douts = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in got]
+    grads = torch.autograd.grad(got, [*ins, w], douts)
+    want = spec_op.spec_backward(s, douts)
+    assert_bits(grads[-1], want[-1], f"{op} {shape} dweight")

@@ -131,16 +131,31 @@ at::Tensor row_tree(at::Tensor contrib) {
   return contrib.reshape({H});
 }
 
-// Backward: writes dx (and d2 = dresidual or dgate) and returns the fp32
-// per-row dweight contributions (rows, H).
+// Rows per block of the backward's dweight contributions: a power of two with at most
+// kBlockElements fp32 values (4 MiB), and no more than the padded row count, as the
+// spec's blocks (spec/blocks.py): the row tree splits into block trees (the last block
+// zero-padded) and a tree over the blocks, the same additions as one tree over the rows.
+constexpr int64_t kBlockElements = int64_t(1) << 20;
+
+inline int64_t block_rows(int64_t rows, int64_t hidden) {
+  int64_t limit = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(1, hidden));
+  int64_t b = 1;
+  while (b * 2 <= limit) b *= 2;
+  return std::min<int64_t>(b, next_pow2(rows));
+}
+
+// Backward: writes dx (and d2 = dresidual or dgate) and returns dweight in fp32 (H), the
+// row tree of the per-row contributions, formed block by block.
 template <typename T>
 at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, const RowView* rv,
                          const RowView* dresv, const float* w, T* dx, T* d2,
                          const float* rstd_in) {
   using IO = HostIO<T>;
   const int64_t H = xv.hidden, rows = xv.rows, P = next_pow2(H);
-  at::Tensor contrib = at::empty({rows, H}, xv.t.options().dtype(at::kFloat));
+  const int64_t block = block_rows(rows, H);
+  at::Tensor contrib = at::empty({block, H}, xv.t.options().dtype(at::kFloat));
   float* cb = contrib.data_ptr<float>();
+  std::vector<at::Tensor> partials;
   const T* x = xv.t.data_ptr<T>();
   const T* dy = dyv.t.data_ptr<T>();
   const T* r = rv ? rv->t.data_ptr<T>() : nullptr;
@@ -150,7 +165,9 @@ at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, c
              w_in = o.flags & F_W_IS_INPUT, rounded = o.flags & F_ROUNDED;
   std::vector<float> g(H);
   for (int64_t i = 0; i < H; ++i) g[i] = scale_weight(w[i], use_off, o.offset32);
-  at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
+  for (int64_t first = 0; first < rows; first += block) {
+  const int64_t n = std::min(block, rows - first);
+  at::parallel_for(first, first + n, grain_rows(H), [&](int64_t begin, int64_t end) {
     std::vector<float> s(H), dxh(H), buf(P);
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = x + row * xv.stride;
@@ -164,7 +181,7 @@ at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, c
       // the forward's rstd where given (the same bits), else the row's
       const float rstd =
           rstd_in != nullptr ? rstd_in[row] : rstd_from_ss(tree_fold(buf.data(), P), H, o.eps32);
-      float* cr = cb + row * H;
+      float* cr = cb + (row - first) * H;
       T* d2r = d2 ? d2 + row * H : nullptr;
       for (int64_t i = 0; i < H; ++i) {
         const float xhat = mul(s[i], rstd);
@@ -214,7 +231,11 @@ at::Tensor backward_impl(const Opts& o, const RowView& dyv, const RowView& xv, c
       }
     }
   });
-  return contrib;
+  if (n < block) std::fill(cb + n * H, cb + block * H, 0.0f);  // the last block's padding
+  partials.push_back(row_tree(contrib).clone());  // a block of one row is a view
+  }
+  if (partials.size() == 1) return partials[0];
+  return row_tree(at::stack(partials));
 }
 
 template <typename F>
@@ -292,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& dy, c
     contrib = backward_impl<T>(o, dyv, xv, nullptr, nullptr, w.data_ptr<float>(),
                                dx.data_ptr<T>(), nullptr, given);
   });
-  return {dx, row_tree(contrib).to(weight.scalar_type())};
+  return {dx, contrib.to(weight.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_impl(
@@ -348,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_backward_cpu(
     contrib = backward_impl<T>(o, dyv, xv, &rv, &dresv, w.data_ptr<float>(), dx.data_ptr<T>(),
                                dres.data_ptr<T>(), given);
   });
-  return {dx, dres, row_tree(contrib).to(weight.scalar_type())};
+  return {dx, dres, contrib.to(weight.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_backward_from_sum_cpu(
@@ -369,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_backward_from_sum_cpu(
     contrib = backward_impl<T>(o, dyv, sv, nullptr, &dresv, w.data_ptr<float>(),
                                ds.data_ptr<T>(), nullptr, given);
   });
-  return {ds, row_tree(contrib).to(weight.scalar_type())};
+  return {ds, contrib.to(weight.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_gated_impl(const at::Tensor& x,
@@ -422,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_gated_backward_cpu(
     contrib = backward_impl<T>(o, dyv, xv, &gv, nullptr, w.data_ptr<float>(), dx.data_ptr<T>(),
                                dgate.data_ptr<T>(), given);
   });
-  return {dx, dgate, row_tree(contrib).to(weight.scalar_type())};
+  return {dx, dgate, contrib.to(weight.scalar_type())};
 }
 
 }  // namespace
