@@ -210,5 +210,5 @@ def test_build_prepares_every_backend_side_by_side(monkeypatch, capsys):
 def test_cupy_build_is_skipped_without_cupy(monkeypatch):
     from normspec.backends import cupy as cb
 
-    monkeypatch.setattr(cb, "_import_cupy", lambda: (None, "CuPy is not installed (pip ...)"))
+    monkeypatch.setattr(cb.nvrtc, "import_cupy", lambda: (None, "CuPy is not installed (pip ...)"))
     assert cb.backend.build() == "skipped: CuPy is not installed (pip ...)"

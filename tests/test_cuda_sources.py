@@ -495,6 +495,6 @@ def test_backward_offsets_fit_32_bits(tmp_path):
     assert out == ["1" if fits else "0" for _, fits in OFFSETS_FIT_CASES]
     from normspec.backends import cupy as cb
 
-    assert [cb.offsets_fit_32(n, hidden, () if name is None else (stride,))
+    assert [cb.geometry.offsets_fit_32(n, hidden, () if name is None else (stride,))
             for (n, hidden, name, stride), _ in OFFSETS_FIT_CASES] == [
         fits for _, fits in OFFSETS_FIT_CASES]

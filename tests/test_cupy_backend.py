@@ -33,6 +33,10 @@ cp = pytest.importorskip("cupy")
 
 from normspec import spec  # noqa: E402
 from normspec.backends import cupy as cb  # noqa: E402
+from normspec.backends.cupy.codes import (  # noqa: E402
+    DT_BF16,
+    OP_RMS,
+)
 
 EPS = 1e-6
 SHAPES = [(5, 1), (3, 7), (2, 3, 64), (9, 1003), (3, 2048), (33, 130), (4, 8192), (2, 12000),
@@ -219,13 +223,13 @@ def test_large_shapes(op, params, shape, ext):
 def record_calls(monkeypatch, name: str) -> list:
     """Wraps the backend's launch planner ``name``; returns the list of its answers."""
     picked = []
-    real = getattr(cb, name)
+    real = getattr(cb.plans, name)
 
     def spy(*args, **kwargs):
         picked.append(real(*args, **kwargs))
         return picked[-1]
 
-    monkeypatch.setattr(cb, name, spy)
+    monkeypatch.setattr(cb.plans, name, spy)
     return picked
 
 
@@ -387,7 +391,8 @@ def test_gated_forward_every_gate_per_table(monkeypatch):
     assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
     assert [p[0] for p in picked] == [
         f"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, {f}>" for f in forms]
-    assert {k[1] for k in cb._gate_tables_filled} == {False, True}  # both activations
+    filled = cb.device.state(torch.cuda.current_device()).gate_tables_filled
+    assert filled == {False, True}  # both activations
 
 
 def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
@@ -397,8 +402,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     (as the torch extension's does), and its replay gives the spec's bits. The next call
     outside the capture fills the table and uses it. Every one of the 2**16 bf16 gates
     gives the spec's bits through that persistent forward."""
-    monkeypatch.setattr(cb, "_gate_tables", {})
-    monkeypatch.setattr(cb, "_gate_tables_filled", set())
+    monkeypatch.setattr(cb.device, "_states", {})
     picked = record_calls(monkeypatch, "pipe_forward_launch")
     rows = _every_bf16_gate(32768, 128)
     w = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 0.1 + 1.0
@@ -409,7 +413,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     # the kernel the capture will hold, loaded (and its plan kept) outside it, as where no
     # table can be had: the persistent forward
     with monkeypatch.context() as m:
-        m.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
+        m.setattr(cb.device.DeviceState, "global_gate_table", lambda self, cp, sig: None)
         first = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     torch.cuda.synchronize()
     assert_bits(first, want[0], f"persistent forward {params}")
@@ -420,11 +424,12 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     torch.cuda.synchronize()
     assert_bits(out, want[0], f"graph {params}")
     # the capture took the plan kept outside it
-    assert cb._gate_tables_filled == set() and len(picked) == 1
+    filled = cb.device.state(torch.cuda.current_device()).gate_tables_filled
+    assert filled == set() and len(picked) == 1
     assert all(p is not None and p.table for p in picked)
     got = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     assert_bits(got, want[0], f"after the graph {params}")
-    assert len(cb._gate_tables_filled) == 1 and len(picked) == 1
+    assert len(filled) == 1 and len(picked) == 1
 
 
 CHAINED_CASES = [(VARIANTS[1], (4096, 2048), torch.bfloat16, torch.bfloat16),  # pipelined
@@ -440,13 +445,13 @@ def test_tree_launches_chained_after_the_backward(monkeypatch, ext):
     gradient is the spec's bits, torch tensors and CuPy arrays. Inside a CUDA graph
     capture they are plain, and the replay gives the same bits."""
     chained = []
-    real = cb._launch_chained
+    real = cb.driver._launch_chained
 
     def spy(fn, grid, block, args, shared_mem):
         chained.append(grid)
         real(fn, grid, block, args, shared_mem)
 
-    monkeypatch.setattr(cb, "_launch_chained", spy)
+    monkeypatch.setattr(cb.driver, "_launch_chained", spy)
     for seed, ((op, params), shape, dtype, wdtype) in enumerate(CHAINED_CASES):
         check_torch(op, params, shape, dtype, wdtype, seed, ext=ext)
         check_cupy(op, params, shape, dtype, wdtype, seed)
@@ -473,11 +478,12 @@ def test_pipelined_backward_occupancy():
     """The occupancy query the persistent grid depends on answers (a failure would fall
     back to one block per SM: the same bits, a slow launch)."""
     cb.available()
-    name, *_, (block, smem, _team_log) = cb.pipe_backward_launch(
-        cb.OP_RMS, cb.DT_BF16, 32768, 2048, 132, 232448)
-    fn = cb._kernel(torch.cuda.current_device(), cb.OP_RMS, cb.DT_BF16, name)
-    per_sm = cb._prepare_pipe_kernel(fn, ("occupancy test", name, smem), block, smem,
-                                     cb._smem_optin(cp, torch.cuda.current_device()))
+    name, *_, (block, smem, _team_log) = cb.launches.pipe_backward_launch(
+        OP_RMS, DT_BF16, 32768, 2048, 132, 232448)
+    st = cb.device.state(torch.cuda.current_device())
+    fn = st.kernel(OP_RMS, DT_BF16, name)
+    per_sm = st.prepare_pipe_kernel(fn, ("occupancy test", name, smem), block, smem,
+                                    st.smem_optin(cp))
     assert per_sm >= 2
 
 
@@ -559,7 +565,7 @@ def test_cupy_current_stream_is_used():
     src, aw = _to_cupy(x.cuda()), _to_cupy(w.cuda())
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
-    with cb.cupy_stream_of(cp, s, 0):
+    with cb.arrays.cupy_stream_of(cp, s, 0):
         late = cp.full(src.shape, cp.nan, dtype=src.dtype)
         with torch.cuda.stream(s):
             torch.cuda._sleep(200_000_000)
@@ -595,18 +601,18 @@ def test_a_thread_without_a_current_context(path, monkeypatch):
     cb.rms_norm(cx, cw, eps=EPS, offset=1.0)
     torch.cuda.synchronize()
     seen = []  # the context current at each launch in the thread
-    launch = cb._cu_launch_kernel_ex() if path == "driver" else cb._launch_rawkernel
+    launch = cb.driver.cu_launch_kernel_ex() if path == "driver" else cb.driver._launch_rawkernel
 
     def recording_launch(*args):
         seen.append(_current_context())
         return launch(*args)
 
     if path == "driver":
-        monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: recording_launch)
+        monkeypatch.setattr(cb.driver, "cu_launch_kernel_ex", lambda: recording_launch)
     else:
-        monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [None])
-        monkeypatch.setattr(cb, "_pdl_devices", {})
-        monkeypatch.setattr(cb, "_launch_rawkernel", recording_launch)
+        monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [None])
+        monkeypatch.setattr(cb.device, "_states", {})
+        monkeypatch.setattr(cb.driver, "_launch_rawkernel", recording_launch)
     result = {}
 
     def fresh_thread():
@@ -721,14 +727,10 @@ def test_repeated_calls_and_disk_cache(monkeypatch, tmp_path):
     w = torch.randn(1003, device="cuda")
     first = cb.rms_norm(x, w, eps=EPS)
     monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cb, "_modules", {})
-    monkeypatch.setattr(cb, "_functions", {})
-    monkeypatch.setattr(cb, "_plans", {})  # (the kept launch plans hold their kernels)
+    monkeypatch.setattr(cb.device, "_states", {})  # modules, kernels and the plans holding them
     fresh = cb.rms_norm(x, w, eps=EPS)  # compiled into an empty cache
     assert any(tmp_path.glob("*.cubin")) or any(tmp_path.glob("*.ptx"))
-    monkeypatch.setattr(cb, "_modules", {})
-    monkeypatch.setattr(cb, "_functions", {})
-    monkeypatch.setattr(cb, "_plans", {})  # (the kept launch plans hold their kernels)
+    monkeypatch.setattr(cb.device, "_states", {})  # modules, kernels and the plans holding them
     loaded = cb.rms_norm(x, w, eps=EPS)  # loaded from the disk cache
     assert_bits(fresh, first, "fresh compile")
     assert_bits(loaded, first, "from the disk cache")

@@ -32,18 +32,32 @@ import torch
 from test_cupy_nvrtc import _CpuSide, _record_launches
 
 from normspec.backends import cupy as cb
+from normspec.backends.cupy.codes import (
+    DT_BF16,
+    DT_F16,
+    DT_F32,
+    F_HF,
+    F_OFFSET,
+    F_ROUNDED,
+    F_SIGMOID,
+    F_W_IS_INPUT,
+    OP_FUSED,
+    OP_FUSED_SUM,
+    OP_GATED,
+    OP_RMS,
+)
 
-TORCH_DTYPES = {cb.DT_F32: torch.float32, cb.DT_BF16: torch.bfloat16, cb.DT_F16: torch.float16}
+TORCH_DTYPES = {DT_F32: torch.float32, DT_BF16: torch.bfloat16, DT_F16: torch.float16}
 EPS = 1e-6
 
 #: op name -> (op code, params, whether it has a forward)
 OPS = {
-    "rms": (cb.OP_RMS, {"offset": 1.0}, True),
-    "fused-fp32": (cb.OP_FUSED, {"offset": 1.0, "residual_sum": "fp32"}, True),
-    "fused-rounded": (cb.OP_FUSED, {"offset": 0.0, "residual_sum": "rounded"}, True),
-    "fused-sum": (cb.OP_FUSED_SUM, {"offset": 1.0, "residual_sum": "rounded"}, False),
-    "gated-vllm-silu": (cb.OP_GATED, {"convention": "vllm", "activation": "silu"}, True),
-    "gated-hf-sigmoid": (cb.OP_GATED, {"convention": "hf", "activation": "sigmoid"}, True),
+    "rms": (OP_RMS, {"offset": 1.0}, True),
+    "fused-fp32": (OP_FUSED, {"offset": 1.0, "residual_sum": "fp32"}, True),
+    "fused-rounded": (OP_FUSED, {"offset": 0.0, "residual_sum": "rounded"}, True),
+    "fused-sum": (OP_FUSED_SUM, {"offset": 1.0, "residual_sum": "rounded"}, False),
+    "gated-vllm-silu": (OP_GATED, {"convention": "vllm", "activation": "silu"}, True),
+    "gated-hf-sigmoid": (OP_GATED, {"convention": "hf", "activation": "sigmoid"}, True),
 }
 
 
@@ -107,11 +121,11 @@ def _tensors(call: Call, device: str = "cpu") -> Tensors:
     """The call's tensors (uninitialised: nothing here reads their values)."""
     x, stride = _row_tensor(call, call.x_shift, device)
     op = OPS[call.op][0]
-    rows = [x] if op in (cb.OP_FUSED_SUM, cb.OP_RMS) else [x, _row_tensor(call, 0, device)[0]]
+    rows = [x] if op in (OP_FUSED_SUM, OP_RMS) else [x, _row_tensor(call, 0, device)[0]]
     grads = []
     if call.backward:
         grads = [_row_tensor(call, 0, device)[0]]
-        if op in (cb.OP_FUSED, cb.OP_FUSED_SUM):
+        if op in (OP_FUSED, OP_FUSED_SUM):
             grads.append(_row_tensor(call, 0, device)[0])
     wbuf = torch.empty(call.w_shift + call.hidden, dtype=TORCH_DTYPES[call.wdt], device=device)
     return Tensors(rows, grads, wbuf[call.w_shift:], stride)
@@ -120,15 +134,15 @@ def _tensors(call: Call, device: str = "cpu") -> Tensors:
 def _flags(call: Call) -> int:
     """The flags normspec_cuda.cpp gives the launcher (base_flags, gated_flags)."""
     params = OPS[call.op][1]
-    flags = cb.F_OFFSET if params.get("offset", 0.0) != 0.0 else 0
+    flags = F_OFFSET if params.get("offset", 0.0) != 0.0 else 0
     if call.wdt == call.dt:
-        flags |= cb.F_W_IS_INPUT
+        flags |= F_W_IS_INPUT
     if params.get("residual_sum") == "rounded":
-        flags |= cb.F_ROUNDED
+        flags |= F_ROUNDED
     if params.get("convention") == "hf":
-        flags |= cb.F_HF
+        flags |= F_HF
     if params.get("activation") == "sigmoid":
-        flags |= cb.F_SIGMOID
+        flags |= F_SIGMOID
     return flags
 
 
@@ -241,15 +255,16 @@ def cupy_launches(call: Call, monkeypatch, plans: dict | None = None
                 copies.append(dt)
             return w32
 
-    monkeypatch.setattr(cb, "_side", lambda kind, x: Side())
-    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: 0x100000 + 32768 * sig)
+    monkeypatch.setattr(cb.arrays, "side", lambda kind, x: Side())
+    monkeypatch.setattr(cb.device.DeviceState, "global_gate_table",
+                        lambda self, cp, sig: 0x100000 + 32768 * sig)
     op, params, _ = OPS[call.op]
     w = t.weight
     if call.backward:
         rstd = torch.empty(call.rows, dtype=torch.float32) if call.rstd else None
-        cb._backward("torch", op, t.grads, t.rows, w, EPS, params, rstd=rstd)
+        cb.run.backward("torch", op, t.grads, t.rows, w, EPS, params, rstd=rstd)
     else:
-        cb._forward("torch", op, t.rows, w, EPS, params, keep_rstd=call.rstd)
+        cb.run.forward("torch", op, t.rows, w, EPS, params, keep_rstd=call.rstd)
     roles = _roles(t)
 
     def token(v) -> str:
@@ -270,7 +285,7 @@ def _calls(ops, dts, hiddens, rows_list, *, shapes=((0, 0, 0),), max_elements=1 
             ops, dts, hiddens, rows_list, shapes):
         if rows * hidden > max_elements:
             continue
-        for wdt in sorted({dt, cb.DT_F32}):
+        for wdt in sorted({dt, DT_F32}):
             for backward, rstd in itertools.product((False, True), (False, True)):
                 if not backward and not OPS[name][2]:
                     continue
@@ -306,7 +321,7 @@ def test_canonical_names():
         "normspec_col_tree_kernel")
 
 
-DTS = (cb.DT_F32, cb.DT_BF16, cb.DT_F16)
+DTS = (DT_F32, DT_BF16, DT_F16)
 HIDDENS = (1, 7, 64, 100, 128, 256, 512, 1000, 2048, 4096, 8192, 12000)
 ROWS = (1, 3, 64, 1000, 8192, 65536)
 
@@ -338,7 +353,7 @@ def test_quad_forward_bound_matches_the_torch_extension(launch_probe, monkeypatc
     """The q/k forward in vectors of four up to ``132 * 128`` lanes (264 rows of 256, 528
     of 128 on the probe's 132 SMs) and the warp teams past it: the same launches, and the
     C++ launcher's own choice on both sides of the bound."""
-    calls = _calls(("rms", "fused-rounded"), (cb.DT_BF16, cb.DT_F16), (128, 256),
+    calls = _calls(("rms", "fused-rounded"), (DT_BF16, DT_F16), (128, 256),
                    (264, 265, 528, 529))
     assert _check(launch_probe, calls, monkeypatch) > 50
     quad = {(c.op, c.hidden, c.rows, c.wdt == c.dt)
@@ -359,10 +374,10 @@ def _ext_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
     op, p, _ = OPS[call.op]
     x, w = t.rows[0], t.weight
     if not call.backward:
-        if op == cb.OP_RMS:
+        if op == OP_RMS:
             f = ops.rms_norm_with_rstd if call.rstd else ops.rms_norm
             f(x, w, EPS, p["offset"])
-        elif op == cb.OP_FUSED:
+        elif op == OP_FUSED:
             f = ops.fused_add_rms_norm_with_rstd if call.rstd else ops.fused_add_rms_norm
             f(x, t.rows[1], w, EPS, p["offset"], p["residual_sum"])
         else:
@@ -370,12 +385,12 @@ def _ext_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
             f(x, t.rows[1], w, EPS, p["convention"], p["activation"])
         return
     dy = t.grads[0]
-    if op == cb.OP_RMS:
+    if op == OP_RMS:
         ops.rms_norm_backward(dy, x, w, EPS, p["offset"], rstd)
-    elif op == cb.OP_FUSED:
+    elif op == OP_FUSED:
         ops.fused_add_rms_norm_backward(dy, t.grads[1], x, t.rows[1], w, EPS, p["offset"],
                                         p["residual_sum"], rstd)
-    elif op == cb.OP_FUSED_SUM:
+    elif op == OP_FUSED_SUM:
         ops.fused_add_rms_norm_backward_from_sum(dy, t.grads[1], x, w, EPS, p["offset"],
                                                  p["residual_sum"], rstd)
     else:
@@ -387,9 +402,9 @@ def _cupy_call(call: Call, t: Tensors, rstd: torch.Tensor | None) -> None:
     """The call through the CuPy backend (torch CUDA tensors, its internal entry points)."""
     op, params, _ = OPS[call.op]
     if call.backward:
-        cb._backward("torch", op, t.grads, t.rows, t.weight, EPS, params, rstd=rstd)
+        cb.run.backward("torch", op, t.grads, t.rows, t.weight, EPS, params, rstd=rstd)
     else:
-        cb._forward("torch", op, t.rows, t.weight, EPS, params, keep_rstd=call.rstd)
+        cb.run.forward("torch", op, t.rows, t.weight, EPS, params, keep_rstd=call.rstd)
 
 
 def _profiled_kernels(run, calls: list[Call]) -> list[list[tuple]]:

@@ -23,6 +23,22 @@ import torch
 
 from conftest import compile_ahead
 from normspec.backends import cupy as cb
+from normspec.backends.cupy.codes import (
+    DT_BF16,
+    DT_F16,
+    DT_F32,
+    F_ALIGNED,
+    F_DW_FINAL,
+    F_GATE_TABLE,
+    F_LET_DEPENDENTS,
+    F_ROUNDED,
+    F_W_IS_INPUT,
+    F_W_RAW,
+    OP_FUSED,
+    OP_FUSED_SUM,
+    OP_GATED,
+    OP_RMS,
+)
 
 EPS = 1e-6
 
@@ -35,7 +51,7 @@ def test_available_without_cupy(monkeypatch):
     assert "cupy-cuda12x" in reason
     assert cb.backend.available() == reason
     with pytest.raises(RuntimeError, match="CuPy is not installed"):
-        cb._cupy()
+        cb.nvrtc.require_cupy()
 
 
 def test_available_without_gpu_gives_a_reason():
@@ -49,8 +65,8 @@ def test_available_without_gpu_gives_a_reason():
 def test_registry_object():
     b = cb.backend
     assert b.name == "cupy"
-    assert f"NVRTC RawModule of backends/csrc/{cb.KERNELS}" in b.source
-    assert cb.KERNELS == "normspec_pipe.cuh"
+    assert f"NVRTC RawModule of backends/csrc/{cb.nvrtc.KERNELS}" in b.source
+    assert cb.nvrtc.KERNELS == "normspec_pipe.cuh"
     assert b.source.startswith("CuPy ")
     assert set(b.ops) == {"rms_norm", "fused_add_rms_norm", "rms_norm_gated"}
     for op in b.ops.values():
@@ -151,7 +167,7 @@ def test_validation_errors(call, exc, pattern):
 # ---- the Python launch plan ---------------------------------------------------------------
 def test_row_stride_of_layouts():
     def stride(t):
-        return cb._collapsible_stride(tuple(t.shape), tuple(t.stride()))
+        return cb.arrays.collapsible_stride(tuple(t.shape), tuple(t.stride()))
 
     x = torch.zeros(4, 3, 10)
     assert stride(x) == 10
@@ -162,7 +178,7 @@ def test_row_stride_of_layouts():
     assert stride(torch.zeros(5, 1)[:, :1].expand(5, 1)) == 1
     assert stride(torch.zeros(10).expand(6, 10)) == 0  # broadcast rows read one row
     assert stride(torch.zeros(6, 1, 10)[:, :, :]) == 10
-    assert cb._collapsible_stride((3, 4), (-4, 1)) is None  # negative: copied
+    assert cb.arrays.collapsible_stride((3, 4), (-4, 1)) is None  # negative: copied
 
 
 def test_torch_rows_enter_as_pointers():
@@ -170,7 +186,7 @@ def test_torch_rows_enter_as_pointers():
     the integer view of their bits, and a bitwise contiguous copy only when the leading
     dims do not collapse. The rows the kernels address from (pointer, stride) hold the
     input's bits, NaN payloads included."""
-    side = object.__new__(cb._TorchSide)  # raw() and rows() need no device
+    side = object.__new__(cb.arrays.TorchSide)  # raw() and rows() need no device
     side.cp = None
     nan = torch.tensor([0x7FC1], dtype=torch.int16).view(torch.bfloat16)
     base = torch.randn(6, 4, 24).to(torch.bfloat16)
@@ -185,13 +201,13 @@ def test_torch_rows_enter_as_pointers():
     for name, (t, copied) in layouts.items():
         raw = side.raw(t)
         assert raw.dtype == torch.int16 and raw.data_ptr() == t.data_ptr(), name
-        view, rs = cb._row_view(None, raw)
+        view, rs = cb.arrays.row_view(None, raw)
         assert (view.data_ptr() != t.data_ptr()) == copied, name
         read, read_rs = side.rows(t)  # the backend's path: no integer view unless copied
         assert read_rs == rs and (read is t) != copied, name
         assert torch.equal(read.view(torch.int16), view) if copied else read.data_ptr() == (
             view.data_ptr()), name
-        assert cb._ptr(view) == view.data_ptr()
+        assert cb.arrays.ptr(view) == view.data_ptr()
         hidden = t.shape[-1]
         rows = t.numel() // hidden
         seen = torch.as_strided(view, (rows, hidden), (rs, 1))
@@ -200,7 +216,7 @@ def test_torch_rows_enter_as_pointers():
 
 
 
-class _CpuSide(cb._TorchSide):
+class _CpuSide(cb.arrays.TorchSide):
     """The torch side on CPU tensors, for the launch plumbing alone (nothing runs)."""
 
     def __init__(self) -> None:
@@ -225,23 +241,27 @@ def _record_launches(monkeypatch, *, pdl: bool = False, plans: dict | None = Non
     ``(kernel name, grid, block, args, shared memory)`` instead of run. ``pdl``: as on a
     device whose kernels may be chained (sm_90, outside a capture), else as on one where
     they may not. ``plans``: the backend's kept launch
-    plans (``_plans``) meanwhile, a new empty one by default (the stand-ins below answer
-    for the device)."""
+    plans (``DeviceState.plans``) meanwhile, a new empty one by default (the stand-ins
+    below answer for the device)."""
     launches = Recorded()
-    monkeypatch.setattr(cb, "_plans", {} if plans is None else plans)
+    monkeypatch.setattr(cb.device, "_states", {})
+    if plans is not None:
+        cb.device.state(0).plans = plans
 
     def launch(fn, grid, block, args, shared_mem=0, *, chained=False):
         launches.append((fn, grid, block, args.numpy(), shared_mem))
         launches.chained.append(chained)
 
-    monkeypatch.setattr(cb, "_side", lambda kind, x: _CpuSide())
-    monkeypatch.setattr(cb, "_sm_count", lambda cp, dev: 132)
-    monkeypatch.setattr(cb, "_smem_optin", lambda cp, dev: 232448)
-    monkeypatch.setattr(cb, "_prepare_pipe_kernel", lambda fn, key, block, smem, optin: 2)
-    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
-    monkeypatch.setattr(cb, "_launch", launch)
-    monkeypatch.setattr(cb, "_pdl_capable", lambda cp, dev: pdl)
-    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: False)
+    monkeypatch.setattr(cb.arrays, "side", lambda kind, x: _CpuSide())
+    state = cb.device.DeviceState
+    monkeypatch.setattr(state, "sm_count", lambda self, cp: 132)
+    monkeypatch.setattr(state, "smem_optin", lambda self, cp: 232448)
+    monkeypatch.setattr(state, "prepare_pipe_kernel",
+                        lambda self, fn, key, block, smem, optin: 2)
+    monkeypatch.setattr(state, "kernel", lambda self, op, dt, name: name)
+    monkeypatch.setattr(cb.driver, "launch", launch)
+    monkeypatch.setattr(state, "pdl_capable", lambda self, cp: pdl)
+    monkeypatch.setattr(cb.device, "current_stream_capturing", lambda cp: False)
     return launches
 
 
@@ -254,14 +274,14 @@ def test_forward_passes_the_gate_table_to_its_kernels(activation, monkeypatch):
     launches, asked = _record_launches(monkeypatch), []
     tables = {False: 0x100000, True: 0x100000 + 4 * 8192}
 
-    def table(cp, dev, sig):
+    def table(self, cp, sig):
         asked.append(sig)
         return tables[sig]
 
-    monkeypatch.setattr(cb, "_global_gate_table", table)
+    monkeypatch.setattr(cb.device.DeviceState, "global_gate_table", table)
     x = torch.zeros(2**15, 64, dtype=torch.bfloat16)
     params = {"convention": "vllm", "activation": activation}
-    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    cb.run.forward("torch", OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
     ((name, grid, block, args, smem),) = launches
     # the vllm convention's own GT form (an fp32 weight: 1)
     assert (grid, block) == ((512, 1, 1), (256, 1, 1))  # teams of 4 lanes, 64 a block
@@ -270,8 +290,8 @@ def test_forward_passes_the_gate_table_to_its_kernels(activation, monkeypatch):
     assert asked == [activation == "sigmoid"] and args[-1] == tables[asked[0]]
     # no table to be had (a capture before the first fill): the persistent forward
     launches.clear()
-    monkeypatch.setattr(cb, "_global_gate_table", lambda cp, dev, sig: None)
-    cb._forward("torch", cb.OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
+    monkeypatch.setattr(cb.device.DeviceState, "global_gate_table", lambda self, cp, sig: None)
+    cb.run.forward("torch", OP_GATED, [x, x.clone()], torch.ones(64), 1e-6, params)
     ((name, grid, block, args, smem),) = launches
     check_persistent_table_forward(name, grid, block, args, smem)
 
@@ -283,7 +303,7 @@ def check_persistent_table_forward(name, grid, block, args, smem):
     assert name == "normspec_fwd_pipe_kernel<2, __nv_bfloat16, 1, 3>"
     assert (grid, block) == ((2 * 132, 1, 1), (256, 1, 1))
     assert smem == 8 * 8 * 4 + 8192 * 4
-    assert len(args) == 16 and int(args[13]) & cb.F_GATE_TABLE  # 5 pointers, 6 sizes, 2 floats
+    assert len(args) == 16 and int(args[13]) & F_GATE_TABLE  # 5 pointers, 6 sizes, 2 floats
     assert int(args[14]) == 3 and args[15] == np.uint64(0)  # team_log, rstd_out
 
 
@@ -296,25 +316,25 @@ def test_autograd_saves_rstd_and_the_backward_reads_it(wdtype, monkeypatch):
     launches = _record_launches(monkeypatch)
     x = torch.zeros(4096, 2048, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(2048, dtype=wdtype, requires_grad=True)
-    (y,) = cb._NormFunction.apply(cb.OP_RMS, 1e-6, {"offset": 1.0}, w, x)
+    (y,) = cb.ops._NormFunction.apply(OP_RMS, 1e-6, {"offset": 1.0}, w, x)
     (fwd, _, _, fargs, _), = launches
     assert fwd == "normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>"
     rstd = fargs[-2]
     assert rstd != 0 and fargs[2] == np.uint64(w.data_ptr())
     raw = wdtype == torch.bfloat16
-    assert bool(int(fargs[13]) & cb.F_W_RAW) == raw  # flags follow 5 pointers, 6 sizes, 2 floats
+    assert bool(int(fargs[13]) & F_W_RAW) == raw  # flags follow 5 pointers, 6 sizes, 2 floats
     y.backward(torch.zeros_like(y))
     bwd = launches[1]
     assert bwd[0] == "normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, true, -1>"
     assert bwd[3][-1] == rstd and bwd[3][2] == np.uint64(w.data_ptr())
-    assert bool(int(bwd[3][18]) & cb.F_W_RAW) == raw  # 8 pointers, 8 sizes, 2 floats
+    assert bool(int(bwd[3][18]) & F_W_RAW) == raw  # 8 pointers, 8 sizes, 2 floats
     # 2048 groups of 2 rows: a tree level of 16, then the last launch (and the cast)
     assert [n for n, *_ in launches[2:]] == [
         "normspec_col_tree_kernel",
         f"normspec_col_tree_last_kernel<{'__nv_bfloat16' if raw else 'float'}>"]
     # the explicit backward recomputes rstd: the recomputing form, a null pointer
     launches.clear()
-    cb._backward("torch", cb.OP_RMS, [y.detach()], [x.detach()], w.detach(), 1e-6,
+    cb.run.backward("torch", OP_RMS, [y.detach()], [x.detach()], w.detach(), 1e-6,
                  {"offset": 1.0})
     assert launches[0][0].endswith("2, 7, false, -1>") and launches[0][3][-1] == 0
 
@@ -342,7 +362,7 @@ def test_tree_launches_are_chained_after_the_backward_kernel(case, monkeypatch):
     def backward(pdl: bool) -> list:
         with monkeypatch.context() as m:
             launches = _record_launches(m, pdl=pdl)
-            cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+            cb.run.backward("torch", OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
         known = {x.data_ptr(): "x", w.data_ptr(): "w", 0: "0"}
         out = Recorded()  # buffers the call allocates: "new" (their addresses vary)
         out.chained = launches.chained
@@ -362,10 +382,10 @@ def test_tree_launches_are_chained_after_the_backward_kernel(case, monkeypatch):
     assert (grid, block, smem) == (grid0, block0, smem0)
     differ = [(a, b) for a, b in zip(args, args0, strict=True) if a != b]
     if trees:
-        assert differ == [(args0[i] | cb.F_LET_DEPENDENTS, args0[i])
+        assert differ == [(args0[i] | F_LET_DEPENDENTS, args0[i])
                           for i in range(len(args0)) if args[i] != args0[i]]
         assert len(differ) == 1 and isinstance(differ[0][1], np.int32)
-        assert not int(differ[0][1]) & cb.F_LET_DEPENDENTS
+        assert not int(differ[0][1]) & F_LET_DEPENDENTS
     else:
         assert differ == []
 
@@ -397,7 +417,7 @@ def test_chained_launch_structures_match_cuda_h(tmp_path):
     import ctypes
     import shutil
 
-    include, compiler = cb.cuda_include_dir(), shutil.which("cc")
+    include, compiler = cb.nvrtc.cuda_include_dir(), shutil.which("cc")
     if include is None or compiler is None or not (Path(include) / "cuda.h").exists():
         pytest.skip("needs a C compiler and the CUDA toolkit's cuda.h")
     src, exe = tmp_path / "layout.c", tmp_path / "layout"
@@ -405,13 +425,13 @@ def test_chained_launch_structures_match_cuda_h(tmp_path):
     subprocess.run([compiler, f"-I{include}", str(src), "-o", str(exe)], check=True)
     attr_line, config_line, attr_id = subprocess.run(
         [str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")[:3]
-    A, C = cb._CuLaunchAttribute, cb._CuLaunchConfig
+    A, C = cb.driver._CuLaunchAttribute, cb.driver._CuLaunchConfig
     assert [int(v) for v in attr_line.split()] == [
         ctypes.sizeof(A), A.id.offset, A.value.offset, 0, 4, ctypes.sizeof(ctypes.c_int)]
     assert [int(v) for v in config_line.split()] == [
         ctypes.sizeof(C), C.grid.offset, C.block.offset, C.shared_mem_bytes.offset,
         C.stream.offset, C.attrs.offset, C.num_attrs.offset]
-    assert int(attr_id) == cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert int(attr_id) == cb.driver._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @pytest.mark.parametrize("arch,driver,want", [("sm_90", True, True), ("sm_100", True, True),
@@ -422,16 +442,17 @@ def test_chained_launches_need_sm90_code_and_the_driver_entry(arch, driver, want
     """Chained launches only where the kernels were compiled for sm_90 or later (their
     ``griddepcontrol.wait`` is real) and the driver has cuLaunchKernelEx; cached per
     device; a capture says no whatever the device."""
-    monkeypatch.setattr(cb, "_pdl_devices", {})
-    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: arch)
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex", lambda: (lambda *a: 0) if driver else None)
-    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: False)
-    assert cb.chained_launches(None, 3) is want
-    assert cb._pdl_devices == {3: want}
-    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: pytest.fail("not cached"))
-    assert cb.chained_launches(None, 3) is want
-    monkeypatch.setattr(cb, "_current_stream_capturing", lambda cp: True)
-    assert cb.chained_launches(None, 3) is False
+    monkeypatch.setattr(cb.device, "_states", {})
+    monkeypatch.setattr(cb.nvrtc, "device_arch", lambda cp, dev: arch)
+    monkeypatch.setattr(cb.driver, "cu_launch_kernel_ex",
+                        lambda: (lambda *a: 0) if driver else None)
+    monkeypatch.setattr(cb.device, "current_stream_capturing", lambda cp: False)
+    assert cb.device.chained_launches(None, 3) is want
+    assert cb.device.state(3).pdl_capable(None) is want
+    monkeypatch.setattr(cb.nvrtc, "device_arch", lambda cp, dev: pytest.fail("not cached"))
+    assert cb.device.chained_launches(None, 3) is want
+    monkeypatch.setattr(cb.device, "current_stream_capturing", lambda cp: True)
+    assert cb.device.chained_launches(None, 3) is False
 
 
 def test_chained_launch_passes_what_it_was_given(monkeypatch):
@@ -454,19 +475,20 @@ def test_chained_launch_passes_what_it_was_given(monkeypatch):
 
     stream = types.SimpleNamespace(ptr=0x5000)
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [driver_call])
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
-    args = cb.KernelArgs("Qqif", (2**63 + 1, -16, -4, 1.5))
+    args = cb.driver.KernelArgs("Qqif", (2**63 + 1, -16, -4, 1.5))
     status = 0
-    cb._launch(fn, (7, 2), (16, 16, 1), args, 12, chained=True)
+    cb.driver.launch(fn, (7, 2), (16, 16, 1), args, 12, chained=True)
     assert seen == [((7, 2, 1), (16, 16, 1), 12, 0x5000, 1,
-                     cb._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0x99, None,
+                     cb.driver._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0x99,
+                     None,
                      [2**63 + 1, -16, -4, 1.5])]
     status = 1  # CUDA_ERROR_INVALID_VALUE: CuPy's CUDADriverError (a RuntimeError), or
     # where no driver library can name it (CPU machines) a RuntimeError naming the status
     with pytest.raises(RuntimeError, match=r"CUDA_ERROR_INVALID_VALUE|CUresult 1$"):
-        cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
+        cb.driver.launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=True)
 
 
 @pytest.mark.parametrize("chained", [False, True])
@@ -485,17 +507,17 @@ def test_a_launch_without_a_current_context_binds_one_and_retries(chained, monke
     stream = types.SimpleNamespace(ptr=0x5000)
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         get_current_stream=lambda: stream, runtime=runtime))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call])
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [driver_call])
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
-    args = cb.KernelArgs("Qi", (0x1000, 5))
-    launch = lambda: cb._launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=chained)  # noqa: E731
+    args = cb.driver.KernelArgs("Qi", (0x1000, 5))
+    launch = lambda: cb.driver.launch(fn, (1, 1, 1), (32, 1, 1), args, 0, chained=chained)  # noqa: E731
     attrs = 1 if chained else 0
-    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT, 0]
+    statuses[:] = [cb.driver.CUDA_ERROR_INVALID_CONTEXT, 0]
     launch()
     assert seen == [(attrs, 0x99)] * 2 and set_device == [3] and not statuses
     seen.clear(), set_device.clear()
-    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT] * 2
+    statuses[:] = [cb.driver.CUDA_ERROR_INVALID_CONTEXT] * 2
     with pytest.raises(RuntimeError, match=r"CUDA_ERROR_INVALID_CONTEXT|CUresult 201$"):
         launch()
     assert len(seen) == 2 and set_device == [3]
@@ -526,21 +548,21 @@ def test_a_rawkernel_launch_without_a_current_context_binds_one_and_retries(monk
         if status:
             raise _DriverError(status)
 
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [None])
-    monkeypatch.setattr(cb, "_bind_primary_context", lambda: binds.append(1))
-    args = cb.KernelArgs("Qi", (0x1000, 5))
-    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT, 0]
-    cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+    monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [None])
+    monkeypatch.setattr(cb.driver, "bind_primary_context", lambda: binds.append(1))
+    args = cb.driver.KernelArgs("Qi", (0x1000, 5))
+    statuses[:] = [cb.driver.CUDA_ERROR_INVALID_CONTEXT, 0]
+    cb.driver.launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
     assert calls == [((2, 1, 1), (64, 1, 1), (0x1000, 5), 128)] * 2 and binds == [1]
     calls.clear(), binds.clear()
-    statuses[:] = [cb._CUDA_ERROR_INVALID_CONTEXT] * 2
+    statuses[:] = [cb.driver.CUDA_ERROR_INVALID_CONTEXT] * 2
     with pytest.raises(_DriverError, match="CUresult 201"):
-        cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+        cb.driver.launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
     assert len(calls) == 2 and binds == [1]
     calls.clear(), binds.clear()
     statuses[:] = [1]
     with pytest.raises(_DriverError, match=r"CUresult 1$"):
-        cb._launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
+        cb.driver.launch(kernel, (2, 1, 1), (64, 1, 1), args, 128)
     assert len(calls) == 1 and not binds
 
 
@@ -550,18 +572,18 @@ def test_cold_driver_calls_bind_the_context_first(monkeypatch):
     kernel's attributes and occupancy (``_prepare_pipe_kernel``); cache hits bind
     nothing."""
     events = []
-    monkeypatch.setattr(cb, "_bind_primary_context", lambda: events.append("bind"))
+    monkeypatch.setattr(cb.driver, "bind_primary_context", lambda: events.append("bind"))
 
     class Module:
         def get_function(self, lowered):
             events.append(f"load {lowered}")
             return f"fn {lowered}"
 
-    monkeypatch.setattr(cb, "_module", lambda dev, op, dt, part: (
+    monkeypatch.setattr(cb.device.DeviceState, "module", lambda self, op, dt, part: (
         events.append(part) or Module(), {"k": "_Zk"}))
-    monkeypatch.setattr(cb, "_functions", {})
-    assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"
-    assert cb._kernel(0, cb.OP_RMS, cb.DT_BF16, "k") == "fn _Zk"  # kept
+    st = cb.device.DeviceState(0)
+    assert st.kernel(OP_RMS, DT_BF16, "k") == "fn _Zk"
+    assert st.kernel(OP_RMS, DT_BF16, "k") == "fn _Zk"  # kept
     assert events == ["forward", "bind", "load _Zk"]
 
     class Function:
@@ -577,10 +599,9 @@ def test_cold_driver_calls_bind_the_context_first(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api.driver", driver)
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api",
                         types.SimpleNamespace(driver=driver))
-    monkeypatch.setattr(cb, "_occupancy", {})
     events.clear()
-    assert cb._prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
-    assert cb._prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
+    assert st.prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
+    assert st.prepare_pipe_kernel(Function(), ("key",), 256, 64 * 1024, 227 * 1024) == 3
     assert events == ["bind", f"set max_dynamic_shared_size_bytes={227 * 1024 - 1024}",
                       f"occupancy 256 {64 * 1024}"]
 
@@ -593,9 +614,9 @@ def test_available_loads_every_module(monkeypatch):
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 3, getDevice=lambda: 2),
         Device=lambda dev: contextlib.nullcontext()))
-    monkeypatch.setattr(cb, "_import_cupy", lambda: (fake_cp, None))
-    monkeypatch.setattr(cb, "_compile_error", None)
-    monkeypatch.setattr(cb, "_bind_primary_context", lambda: events.append("bind"))
+    monkeypatch.setattr(cb.nvrtc, "import_cupy", lambda: (fake_cp, None))
+    monkeypatch.setattr(cb.nvrtc, "compile_error", None)
+    monkeypatch.setattr(cb.driver, "bind_primary_context", lambda: events.append("bind"))
 
     class Module:
         def __init__(self, key):
@@ -606,11 +627,11 @@ def test_available_loads_every_module(monkeypatch):
             if self.key == refused:
                 raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
 
-    monkeypatch.setattr(cb, "_module", lambda dev, op, dt, part: (
-        Module((dev, op, dt, part)),
+    monkeypatch.setattr(cb.device.DeviceState, "module", lambda self, op, dt, part: (
+        Module((self.dev, op, dt, part)),
         {f"normspec_{'fwd' if part == 'forward' else 'bwd'}_k": f"_Z{op}{dt}"}))
-    monkeypatch.setattr(cb, "compile_modules", lambda dev: events.append(("compile", dev)))
-    monkeypatch.setattr(cb, "_functions", {})
+    monkeypatch.setattr(cb.nvrtc, "compile_modules", lambda dev: events.append(("compile", dev)))
+    monkeypatch.setattr(cb.device, "_states", {})
     refused = None
     assert cb.available() is None
     assert events[0] == ("compile", 2)  # side by side first, on the current device
@@ -618,8 +639,8 @@ def test_available_loads_every_module(monkeypatch):
     loads = [e for e in events if e != "bind"]
     assert len(loads) == 21 and events.count("bind") == 21
     assert {key for key, _ in loads} == {(2, *module) for module in cb.MODULES}
-    refused = (2, cb.OP_GATED, cb.DT_F16, "backward")
-    monkeypatch.setattr(cb, "_functions", {})  # a new process: nothing loaded yet
+    refused = (2, OP_GATED, DT_F16, "backward")
+    monkeypatch.setattr(cb.device, "_states", {})  # a new process: nothing loaded yet
     reason = cb.available()
     assert reason is not None and "CUDA_ERROR_NO_BINARY_FOR_GPU" in reason
 
@@ -627,13 +648,13 @@ def test_available_loads_every_module(monkeypatch):
 def test_available_reports_a_bad_max_jobs(monkeypatch):
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0)))
-    monkeypatch.setattr(cb, "_import_cupy", lambda: (fake_cp, None))
-    monkeypatch.setattr(cb, "_compile_error", None)
+    monkeypatch.setattr(cb.nvrtc, "import_cupy", lambda: (fake_cp, None))
+    monkeypatch.setattr(cb.nvrtc, "compile_error", None)
     monkeypatch.setenv("MAX_JOBS", "many")
     assert cb.available() == ("MAX_JOBS: expected a positive integer (how many NVRTC "
                               "compiles run at once), got 'many'")
     monkeypatch.setenv("MAX_JOBS", " 3 ")
-    assert cb._max_jobs() == 3
+    assert cb.nvrtc._max_jobs() == 3
 
 
 @pytest.mark.parametrize("driver", [True, False])
@@ -657,8 +678,8 @@ def test_plain_launches_through_the_driver(driver, monkeypatch):
 
     stream = types.SimpleNamespace(ptr=0x5000)
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn", [driver_call if driver else None])
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [driver_call if driver else None])
 
     class Kernel:  # RawKernel's call, recorded
         kernel = types.SimpleNamespace(ptr=0x77)
@@ -666,11 +687,11 @@ def test_plain_launches_through_the_driver(driver, monkeypatch):
         def __call__(self, grid, block, args, shared_mem=0):
             raw.append((grid, block, args, shared_mem))
 
-    args = cb.KernelArgs("Qqifq", (0x1000, -3, 7, 0.1, 0))
+    args = cb.driver.KernelArgs("Qqifq", (0x1000, -3, 7, 0.1, 0))
     for _ in range(2):  # the second launch reuses the packed layout and the configuration
-        cb._launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
+        cb.driver.launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
     stream.ptr = 0x6000  # another stream: a configuration of its own
-    cb._launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
+    cb.driver.launch(Kernel(), (3, 1, 1), (256, 1, 1), args, 64)
     if driver:
         values = [0x1000, -3, 7, float(np.float32(0.1)), 0]
         assert not raw and seen == [((3, 1, 1), (256, 1, 1), 64, 0x5000, 0, 0x77, values)] * 2 + [
@@ -697,8 +718,8 @@ def test_float32_arguments_round_as_numpy_does(value):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warning
         want = np.float32(value).tobytes()
-    assert struct.pack("<f", cb._f32_arg(value)) == want
-    assert cb.KernelArgs("f", (cb._f32_arg(value),)).numpy()[0].tobytes() == want
+    assert struct.pack("<f", cb.driver.f32_arg(value)) == want
+    assert cb.driver.KernelArgs("f", (cb.driver.f32_arg(value),)).numpy()[0].tobytes() == want
 
 
 def test_launch_configurations_are_kept_per_thread_and_bounded(monkeypatch):
@@ -707,35 +728,35 @@ def test_launch_configurations_are_kept_per_thread_and_bounded(monkeypatch):
     import threading
 
     configs = []
-    monkeypatch.setattr(cb, "_cu_launch_kernel_ex_fn",
+    monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn",
                         [lambda config, *rest: configs.append(config) or 0])
     stream = types.SimpleNamespace(ptr=0)
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_CONFIGS_MAX", 3)
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.driver, "_CONFIGS_MAX", 3)
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0x99))
-    args = cb.KernelArgs("Q", (1,))
+    args = cb.driver.KernelArgs("Q", (1,))
 
     def launches():
-        cb._launch(fn, (1, 1, 1), (32, 1, 1), args)
-        cb._launch(fn, (1, 1, 1), (32, 1, 1), args)
-        cb._launch(fn, (2, 1, 1), (32, 1, 1), args)
-        cb._launch(fn, (1, 1, 1), (32, 1, 1), args, chained=True)
+        cb.driver.launch(fn, (1, 1, 1), (32, 1, 1), args)
+        cb.driver.launch(fn, (1, 1, 1), (32, 1, 1), args)
+        cb.driver.launch(fn, (2, 1, 1), (32, 1, 1), args)
+        cb.driver.launch(fn, (1, 1, 1), (32, 1, 1), args, chained=True)
 
-    cb._launch_configs.__dict__.clear()
+    cb.driver._launch_configs.__dict__.clear()
     launches()
     assert configs[0] is configs[1] and len({id(c) for c in configs}) == 3
     assert configs[3].contents.num_attrs == 1 and configs[0].contents.num_attrs == 0
     assert configs[0].contents.stream is None  # the null stream
-    mine = dict(cb._launch_configs.__dict__)
+    mine = dict(cb.driver._launch_configs.__dict__)
     worker = threading.Thread(target=launches)
     worker.start()
     worker.join()
     assert not {id(c) for c in configs[4:]} & {id(c) for c in configs[:4]}
-    assert cb._launch_configs.__dict__ == mine  # the worker's are its own
-    cb._launch(fn, (3, 1, 1), (32, 1, 1), args)  # a fourth: the kept ones start again
-    assert len(cb._launch_configs.__dict__) == 1
-    cb._launch_configs.__dict__.clear()
+    assert cb.driver._launch_configs.__dict__ == mine  # the worker's are its own
+    cb.driver.launch(fn, (3, 1, 1), (32, 1, 1), args)  # a fourth: the kept ones start again
+    assert len(cb.driver._launch_configs.__dict__) == 1
+    cb.driver._launch_configs.__dict__.clear()
 
 
 def test_packed_arguments_are_per_thread():
@@ -743,13 +764,13 @@ def test_packed_arguments_are_per_thread():
     backward launches while the caller's thread may launch forwards)."""
     import threading
 
-    args = cb.KernelArgs("Qi", (1, 2))
-    here = cb._packed_params(args)
+    args = cb.driver.KernelArgs("Qi", (1, 2))
+    here = cb.driver._packed_params(args)
     there = []
-    worker = threading.Thread(target=lambda: there.append(cb._packed_params(args)))
+    worker = threading.Thread(target=lambda: there.append(cb.driver._packed_params(args)))
     worker.start()
     worker.join()
-    assert cb._packed_params(args) is here and there[0] is not here
+    assert cb.driver._packed_params(args) is here and there[0] is not here
     assert there[0][0] != here[0]  # different buffers
 
 
@@ -765,7 +786,7 @@ def test_fused_backward_from_the_sum(residual_sum, dtype, from_sum, monkeypatch)
     r = torch.zeros(64, 2048, dtype=dtype, requires_grad=True)
     w = torch.zeros(2048, dtype=dtype, requires_grad=True)
     params = {"offset": 1.0, "residual_sum": residual_sum}
-    y, res = cb._NormFunction.apply(cb.OP_FUSED, 1e-6, params, w, x, r)
+    y, res = cb.ops._NormFunction.apply(OP_FUSED, 1e-6, params, w, x, r)
     rstd = launches[0][3][-2]
     launches.clear()
     dx, dr, _ = torch.autograd.grad((y, res), (x, r, w), (torch.zeros_like(y),) * 2)
@@ -775,7 +796,7 @@ def test_fused_backward_from_the_sum(residual_sum, dtype, from_sum, monkeypatch)
     if from_sum:  # x = s, r = 0, d2 = 0
         assert args[0] == np.uint64(res.data_ptr()) and args[1] == 0 and args[6] == 0
         assert dx.data_ptr() == dr.data_ptr()
-        assert int(args[18]) & cb.F_ROUNDED == (cb.F_ROUNDED if residual_sum == "rounded" else 0)
+        assert int(args[18]) & F_ROUNDED == (F_ROUNDED if residual_sum == "rounded" else 0)
     else:
         assert args[0] == np.uint64(x.data_ptr()) and args[1] == np.uint64(r.data_ptr())
         assert dx.data_ptr() != dr.data_ptr()
@@ -790,7 +811,7 @@ def test_gated_backward_pair_kernel_arguments(convention, wdtype, gc, monkeypatc
     x = torch.empty(2**17, 256, dtype=torch.bfloat16)
     rstd = torch.empty(2**17)
     w = torch.empty(256, dtype=wdtype)
-    cb._backward("torch", cb.OP_GATED, [x], [x, x], w, 1e-6, {"convention": convention},
+    cb.run.backward("torch", OP_GATED, [x], [x, x], w, 1e-6, {"convention": convention},
                  rstd=rstd)
     name, grid, block, args, smem = launches[0]
     assert name == f"normspec::normspec_gated_bwd_pair_kernel<__nv_bfloat16, 5, {gc}>"
@@ -800,7 +821,7 @@ def test_gated_backward_pair_kernel_arguments(convention, wdtype, gc, monkeypatc
     assert (int(args[15]), int(args[16])) == (4, 2**13)  # glog, groups
     assert smem == 8192 * 8 + 3 * 8 * 4 * 256 and block == (256, 1, 1)
     assert grid == (264, 1, 1)  # two blocks a SM (the stub's occupancy)
-    assert bool(int(args[14]) & cb.F_W_RAW) == (wdtype == torch.bfloat16)
+    assert bool(int(args[14]) & F_W_RAW) == (wdtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -811,13 +832,13 @@ def test_one_group_backward_stores_dweight_itself(wdtype, monkeypatch):
     launches = _record_launches(monkeypatch)
     x = torch.empty(1, 2048, dtype=torch.bfloat16)
     w = torch.empty(2048, dtype=wdtype)
-    _, dweight = cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+    _, dweight = cb.run.backward("torch", OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
     ((name, grid, block, args, _),) = launches
     assert name == "normspec_bwd_row_kernel<__nv_bfloat16, 1, 8, false>"
     assert (grid, block) == ((1, 1, 1), (256, 1, 1))
     assert len(args) == 13 and args[4] == np.uint64(dweight.data_ptr())
     assert dweight.dtype == wdtype and dweight.shape == (2048,)
-    assert bool(int(args[11]) & cb.F_DW_FINAL) == (wdtype == torch.bfloat16)
+    assert bool(int(args[11]) & F_DW_FINAL) == (wdtype == torch.bfloat16)
 
 
 class _FakeStream:
@@ -850,48 +871,47 @@ def test_global_gate_table_is_filled_once_per_activation_and_never_in_a_capture(
     the fill kernel on the current stream with that half's address and the activation,
     and waits; later asks only return the address. While the stream is captured, before
     the first fill, nothing is allocated, launched or waited for, and the answer is None."""
-    monkeypatch.setattr(cb, "_gate_tables", {})
-    monkeypatch.setattr(cb, "_gate_tables_filled", set())
-    monkeypatch.setattr(cb, "_kernel", lambda dev, op, dt, name: name)
+    monkeypatch.setattr(cb.device.DeviceState, "kernel", lambda self, op, dt, name: name)
+    st = cb.device.DeviceState(0)
     launches = []
-    monkeypatch.setattr(cb, "_launch", lambda fn, grid, block, args, shared_mem=0:
+    monkeypatch.setattr(cb.driver, "launch", lambda fn, grid, block, args, shared_mem=0:
                         launches.append((fn, grid, block, args.numpy())))
     stream = _FakeStream(capturing=True)
     fake = _FakeCupy(stream)
-    assert cb._global_gate_table(fake, 0, True) is None
+    assert st.global_gate_table(fake, True) is None
     assert fake.allocated == [] and launches == [] and stream.waits == 0
     stream.capturing = False
     half = 0x200000 + 4 * 8192
-    assert cb._global_gate_table(fake, 0, True) == half
+    assert st.global_gate_table(fake, True) == half
     assert fake.allocated == [(2 * 8192, "float32")] and stream.waits == 1
-    assert launches == [(cb.FILL_GATE_TABLE_KERNEL, (32, 1, 1), (256, 1, 1),
+    assert launches == [(cb.launches.FILL_GATE_TABLE_KERNEL, (32, 1, 1), (256, 1, 1),
                          (np.uint64(half), np.int32(1)))]
     stream.capturing = True  # filled: a capture may use it
-    assert cb._global_gate_table(fake, 0, True) == half and len(launches) == 1
+    assert st.global_gate_table(fake, True) == half and len(launches) == 1
     stream.capturing = False
-    assert cb._global_gate_table(fake, 0, False) == 0x200000  # the other half: one fill
+    assert st.global_gate_table(fake, False) == 0x200000  # the other half: one fill
     assert len(fake.allocated) == 1 and len(launches) == 2 and stream.waits == 2
     assert launches[1][3] == (np.uint64(0x200000), np.int32(0))
 
 def test_alignment_flag():
-    a = cb._Args(x=4096, w=8192, y=16384, rows=3, H=8, sx=8, sy=8)
-    assert cb.with_alignment(a, 4).flags & cb.F_ALIGNED
-    assert cb.with_alignment(a, 2).flags & cb.F_ALIGNED  # 16 bytes a row
-    assert not cb.with_alignment(cb._Args(x=4096, w=8192, y=16384, sx=9, sy=8), 4).flags
-    assert not cb.with_alignment(cb._Args(x=4098, w=8192, y=16384, sx=8, sy=8), 2).flags
-    assert not cb.with_alignment(cb._Args(x=4096, w=8196, y=16384, sx=8, sy=8), 4).flags
+    a = cb.run.Args(x=4096, w=8192, y=16384, rows=3, H=8, sx=8, sy=8)
+    assert cb.run.with_alignment(a, 4).flags & F_ALIGNED
+    assert cb.run.with_alignment(a, 2).flags & F_ALIGNED  # 16 bytes a row
+    assert not cb.run.with_alignment(cb.run.Args(x=4096, w=8192, y=16384, sx=9, sy=8), 4).flags
+    assert not cb.run.with_alignment(cb.run.Args(x=4098, w=8192, y=16384, sx=8, sy=8), 2).flags
+    assert not cb.run.with_alignment(cb.run.Args(x=4096, w=8196, y=16384, sx=8, sy=8), 4).flags
     # unused (null) pointers do not count
-    assert cb.with_alignment(cb._Args(x=4096, w=8192, y=16384, sx=8, sy=8, sr=3), 4).flags
+    assert cb.run.with_alignment(cb.run.Args(x=4096, w=8192, y=16384, sx=8, sy=8, sr=3), 4).flags
 
 
 def test_quick_argument_edits_equal_replace():
     """``_with_flags`` and ``_with_weight_ptr`` (tuple edits by position) give what
     ``_replace`` gives, and ``_Args`` still ends with its flags."""
-    a = cb._Args(*range(1, len(cb._Args._fields) + 1))
-    assert cb._Args._fields[-1] == "flags"
-    assert cb._with_flags(a, 99) == a._replace(flags=99)
-    assert type(cb._with_flags(a, 99)) is cb._Args
-    assert cb._with_weight_ptr(a, 0x800, 5) == a._replace(w=0x800, flags=5)
+    a = cb.run.Args(*range(1, len(cb.run.Args._fields) + 1))
+    assert cb.run.Args._fields[-1] == "flags"
+    assert cb.run.with_flags(a, 99) == a._replace(flags=99)
+    assert type(cb.run.with_flags(a, 99)) is cb.run.Args
+    assert cb.run.with_weight_ptr(a, 0x800, 5) == a._replace(w=0x800, flags=5)
 
 
 def test_modules_split_each_op_and_dtype_by_direction():
@@ -903,35 +923,35 @@ def test_modules_split_each_op_and_dtype_by_direction():
         forward, backward = (cb.name_expressions(op, dt, part) for part in cb.PARTS)
         assert sorted(forward + backward) == sorted(cb.name_expressions(op, dt))
         assert not set(forward) & set(backward)
-        assert bool(forward) == (op != cb.OP_FUSED_SUM) == ((op, dt, "forward") in cb.MODULES)
+        assert bool(forward) == (op != OP_FUSED_SUM) == ((op, dt, "forward") in cb.MODULES)
         assert backward and (op, dt, "backward") in cb.MODULES
-        assert {cb.kernel_part(n) for n in forward} <= {"forward"}
-        assert {cb.kernel_part(n) for n in backward} == {"backward"}
+        assert {cb.launches.kernel_part(n) for n in forward} <= {"forward"}
+        assert {cb.launches.kernel_part(n) for n in backward} == {"backward"}
     with pytest.raises(ValueError, match=r"part: expected one of .* got 'both'"):
-        cb.name_expressions(cb.OP_RMS, cb.DT_F32, "both")
+        cb.name_expressions(OP_RMS, DT_F32, "both")
 
 
 def test_launch_shapes():
-    name, grid, block = cb.forward_launch(cb.OP_RMS, cb.DT_BF16, 2**16, 128)
+    name, grid, block = cb.launches.forward_launch(OP_RMS, DT_BF16, 2**16, 128)
     assert (name, grid, block) == ("normspec_fwd_kernel<0, __nv_bfloat16, 1>", (16384, 1, 1),
                                    (32, 4, 1))
-    name, grid, block = cb.forward_launch(cb.OP_FUSED, cb.DT_F32, 7, 8192)
+    name, grid, block = cb.launches.forward_launch(OP_FUSED, DT_F32, 7, 8192)
     assert (name, grid, block) == ("normspec_fwd_kernel<1, float, 2>", (7, 1, 1), (1024, 1, 1))
-    name, grid, block = cb.forward_launch(cb.OP_GATED, cb.DT_F16, 3, 40000)
+    name, grid, block = cb.launches.forward_launch(OP_GATED, DT_F16, 3, 40000)
     assert (name, grid, block) == ("normspec_fwd_stream_kernel<2, __half>", (3, 1, 1),
                                    (1024, 1, 1))
-    name, grid, block, glog = cb.backward_launch(cb.OP_RMS, cb.DT_F32, 9, 1003, 9)
+    name, grid, block, glog = cb.launches.backward_launch(OP_RMS, DT_F32, 9, 1003, 9)
     assert (name, grid, block, glog) == ("normspec_bwd_kernel<0, float, 1>", (9, 1, 1),
                                          (256, 1, 1), True)
-    name, grid, block, glog = cb.backward_launch(cb.OP_GATED, cb.DT_BF16, 5, 12000, 5)
+    name, grid, block, glog = cb.launches.backward_launch(OP_GATED, DT_BF16, 5, 12000, 5)
     assert (name, grid, block, glog) == ("normspec_bwd_stream_kernel<2, __nv_bfloat16>",
                                          (5, 1, 1), (1024, 1, 1), False)
-    assert cb.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
-    assert cb.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
-    assert cb.col_tree_last_launch(1, 2048) == (0, 0, (128, 1, 1))
-    assert cb.col_tree_last_launch(12, 100) == (4, 0, (7, 1, 1))
-    assert cb.col_tree_last_launch(256, 2048) == (4, 4, (128, 1, 1))
-    assert cb.col_tree_last_launch(129, 1) == (4, 4, (1, 1, 1))
+    assert cb.geometry.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
+    assert cb.geometry.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
+    assert cb.geometry.col_tree_last_launch(1, 2048) == (0, 0, (128, 1, 1))
+    assert cb.geometry.col_tree_last_launch(12, 100) == (4, 0, (7, 1, 1))
+    assert cb.geometry.col_tree_last_launch(256, 2048) == (4, 4, (128, 1, 1))
+    assert cb.geometry.col_tree_last_launch(129, 1) == (4, 4, (1, 1, 1))
     for op in (0, 1, 2, 3):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
@@ -944,159 +964,159 @@ def test_launch_shapes():
             # 5 x 5 GT row forms, 2 x 4 constant persistent forward forms, 6 + 6 gate-table
             # backward forms (pipelined, pair);
             # OP_FUSED_SUM: the backward alone
-            quad = 2 if op in (cb.OP_RMS, cb.OP_FUSED) and dt != cb.DT_F32 else 0
-            forward = 0 if op == cb.OP_FUSED_SUM else 23 + quad
-            extra = {cb.OP_RMS: 10, cb.OP_GATED: 46 if dt == cb.DT_BF16 else 0}.get(op, 0)
-            tree = 2 if dt == cb.DT_F32 else 3
+            quad = 2 if op in (OP_RMS, OP_FUSED) and dt != DT_F32 else 0
+            forward = 0 if op == OP_FUSED_SUM else 23 + quad
+            extra = {OP_RMS: 10, OP_GATED: 46 if dt == DT_BF16 else 0}.get(op, 0)
+            tree = 2 if dt == DT_F32 else 3
             assert len(names) == len(set(names)) == forward + 18 + tree + extra
-            if op != cb.OP_FUSED_SUM:  # every persistent forward the planner picks
+            if op != OP_FUSED_SUM:  # every persistent forward the planner picks
                 for hidden, rows in itertools.product((8, 64, 128, 1003, 2048, 8192, 8193),
                                                       (1, 4096, 1 << 17)):
-                    fwd = cb.pipe_forward_launch(op, dt, rows, hidden, 232448)
-                    assert (fwd is None) == (hidden > 1024 * cb.vec_of(dt))  # 1024 vectors
+                    fwd = cb.launches.pipe_forward_launch(op, dt, rows, hidden, 232448)
+                    assert (fwd is None) == (hidden > 1024 * cb.geometry.vec_of(dt))  # 1024 vectors
                     assert fwd is None or fwd.name in names, (op, dt, hidden, rows)
-            if op == cb.OP_FUSED_SUM:
+            if op == OP_FUSED_SUM:
                 assert not any(n.startswith("normspec_fwd") for n in names)
                 for hidden in (128, 2048, 1003):
-                    bwd = cb.pipe_backward_launch(op, dt, 4096, hidden, 132, 232448,
+                    bwd = cb.launches.pipe_backward_launch(op, dt, 4096, hidden, 132, 232448,
                                                   saved=True)
                     assert bwd.name in names
                 continue
             for hidden in (1, 100, 1003, 8192, 12000, 70000):
-                assert cb.forward_launch(op, dt, 5, hidden)[0] in names
-                assert cb.backward_launch(op, dt, 5, hidden, 5)[0] in names
+                assert cb.launches.forward_launch(op, dt, 5, hidden)[0] in names
+                assert cb.launches.backward_launch(op, dt, 5, hidden, 5)[0] in names
                 for rows in (1, 64, 4096, 2**20):
-                    row = cb.row_forward_launch(op, dt, rows, hidden, 132)
+                    row = cb.launches.row_forward_launch(op, dt, rows, hidden, 132)
                     assert row is None or row[0] in names, (op, dt, rows, hidden)
-                    row = cb.gated_row_table_launch(op, dt, rows, hidden, 132)
+                    row = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132)
                     assert row is None or row[0] in names, (op, dt, rows, hidden)
-                    bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
+                    bwd = cb.launches.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
                     assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
             for hidden in (64, 128, 256, 512, 1024, 2048, 4096):
                 for rows in (1, 4096, 2**21):
-                    bwd = cb.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
+                    bwd = cb.launches.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
                     assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
-                    row = cb.gated_row_table_launch(op, dt, rows, hidden, 132)
+                    row = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132)
                     assert row is None or row[0] in names, (op, dt, rows, hidden)
 
 
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
     # the bench's GDN norm on an H200 (132 SMs): teams of 8 lanes, one-warp blocks
-    (cb.OP_GATED, cb.DT_BF16, 2**21, 128,
+    (OP_GATED, DT_BF16, 2**21, 128,
      ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, 1>", (2**19, 1, 1), (32, 1, 1),
       3)),
-    (cb.OP_GATED, cb.DT_BF16, 8192, 1024,  # the largest form: teams of 64 lanes
+    (OP_GATED, DT_BF16, 8192, 1024,  # the largest form: teams of 64 lanes
      ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 6, true, 1>", (8192, 1, 1), (64, 1, 1), 6)),
-    (cb.OP_GATED, cb.DT_BF16, 2**15, 64,  # the smallest: teams of 4 lanes
+    (OP_GATED, DT_BF16, 2**15, 64,  # the smallest: teams of 4 lanes
      ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>", (512, 1, 1), (256, 1, 1),
       2)),
-    (cb.OP_GATED, cb.DT_BF16, 2**14, 64, None),  # few rows: one pass of 8 lanes
-    (cb.OP_GATED, cb.DT_BF16, 4096, 128, None),  # 2**19 elements: no table
-    (cb.OP_GATED, cb.DT_BF16, 2**20, 2048, None),  # teams of 128 lanes: no such form
-    (cb.OP_GATED, cb.DT_BF16, 2**14, 100, None),  # rows that do not fill the team
-    (cb.OP_GATED, cb.DT_F16, 2**21, 128, None),  # the table holds bf16 gates
-    (cb.OP_RMS, cb.DT_BF16, 2**21, 128, None),
+    (OP_GATED, DT_BF16, 2**14, 64, None),  # few rows: one pass of 8 lanes
+    (OP_GATED, DT_BF16, 4096, 128, None),  # 2**19 elements: no table
+    (OP_GATED, DT_BF16, 2**20, 2048, None),  # teams of 128 lanes: no such form
+    (OP_GATED, DT_BF16, 2**14, 100, None),  # rows that do not fill the team
+    (OP_GATED, DT_F16, 2**21, 128, None),  # the table holds bf16 gates
+    (OP_RMS, DT_BF16, 2**21, 128, None),
 ])
 def test_gated_row_table_launch(op, dt, rows, hidden, want):
-    assert cb.gated_row_table_launch(op, dt, rows, hidden, 132) == want
+    assert cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132) == want
     if want is not None:  # the GT forms of the conventions and weights (gt_form)
         forms = {(False, False, False): 1, (False, True, True): 4, (True, False, False): 2,
                  (True, True, False): 3, (True, True, True): 5}
         for (hf, w_in, w_raw), form in forms.items():
-            got = cb.gated_row_table_launch(op, dt, rows, hidden, 132, hf=hf, w_is_input=w_in,
-                                            w_raw=w_raw)
+            got = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132, hf=hf,
+                                                     w_is_input=w_in, w_raw=w_raw)
             assert got == (want[0].replace(", 1>", f", {form}>"), *want[1:]), (hf, w_in, w_raw)
 
 
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
     # the bench's large shapes on an H200 (132 SMs): the default teams, constant forms
-    (cb.OP_RMS, cb.DT_BF16, 32768, 2048,
+    (OP_RMS, DT_BF16, 32768, 2048,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>", (32768, 1, 1), (64, 1, 1), 6)),
-    (cb.OP_RMS, cb.DT_BF16, 524288, 256,  # 8 waves of teams of 8 lanes: one-warp blocks
+    (OP_RMS, DT_BF16, 524288, 256,  # 8 waves of teams of 8 lanes: one-warp blocks
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (131072, 1, 1), (32, 1, 1), 3)),
-    (cb.OP_RMS, cb.DT_BF16, 16384, 256,
+    (OP_RMS, DT_BF16, 16384, 256,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (512, 1, 1), (256, 1, 1), 3)),
-    (cb.OP_FUSED, cb.DT_BF16, 32768, 2048,
+    (OP_FUSED, DT_BF16, 32768, 2048,
      ("normspec_fwd_row_kernel<1, __nv_bfloat16, 2, 7>", (32768, 1, 1), (128, 1, 1), 7)),
     # few rows: one vector per thread; rows that fill the team run the one-pass constant
     # forms (teams of 16..256 lanes), others the general form
-    (cb.OP_RMS, cb.DT_BF16, 64, 2048,
+    (OP_RMS, DT_BF16, 64, 2048,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, 8>", (64, 1, 1), (256, 1, 1), 8)),
-    (cb.OP_GATED, cb.DT_F32, 1, 128,
+    (OP_GATED, DT_F32, 1, 128,
      ("normspec_fwd_row_kernel<2, float, 1, 5>", (1, 1, 1), (256, 1, 1), 5)),
-    (cb.OP_GATED, cb.DT_BF16, 1, 64,  # a team of 8 lanes: no one-pass constant form
+    (OP_GATED, DT_BF16, 1, 64,  # a team of 8 lanes: no one-pass constant form
      ("normspec_fwd_row_kernel<2, __nv_bfloat16, 1, -1>", (1, 1, 1), (256, 1, 1), 3)),
-    (cb.OP_RMS, cb.DT_BF16, 64, 2000,
+    (OP_RMS, DT_BF16, 64, 2000,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, -1>", (64, 1, 1), (256, 1, 1), 8)),
     # rows that do not fill the team: the general form
-    (cb.OP_RMS, cb.DT_F16, 100000, 1003,
+    (OP_RMS, DT_F16, 100000, 1003,
      ("normspec_fwd_row_kernel<0, __half, 4, -1>", (100000, 1, 1), (32, 1, 1), 5)),
     # more rows than a 32-bit row index holds (the constant forms' SLOT32): the general form
-    (cb.OP_RMS, cb.DT_BF16, 2**31, 256,
+    (OP_RMS, DT_BF16, 2**31, 256,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, -1>", (2**29, 1, 1), (32, 1, 1), 3)),
-    (cb.OP_RMS, cb.DT_BF16, 2**31 - 1, 256,
+    (OP_RMS, DT_BF16, 2**31 - 1, 256,
      ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (2**29, 1, 1), (32, 1, 1), 3)),
     # more than 1024 vectors: not the one-row forward
-    (cb.OP_RMS, cb.DT_BF16, 64, 8200, None),
-    (cb.OP_FUSED, cb.DT_F32, 64, 4100, None),
+    (OP_RMS, DT_BF16, 64, 8200, None),
+    (OP_FUSED, DT_F32, 64, 4100, None),
 ])
 def test_row_forward_launch(op, dt, rows, hidden, want):
-    assert cb.row_forward_launch(op, dt, rows, hidden, 132) == want
+    assert cb.launches.row_forward_launch(op, dt, rows, hidden, 132) == want
 
 
 @pytest.mark.parametrize("op,dt,rows,hidden,want", [
     # the bench's large shapes on an H200 (132 SMs, 227 KiB opt-in): constant forms
-    (cb.OP_RMS, cb.DT_BF16, 32768, 2048,
+    (OP_RMS, DT_BF16, 32768, 2048,
      ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, false, -1>", 4, False, 128)),
-    (cb.OP_RMS, cb.DT_BF16, 524288, 256,
+    (OP_RMS, DT_BF16, 524288, 256,
      ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 1, 5, false, -1>", 5, False, 256)),
-    (cb.OP_GATED, cb.DT_BF16, 2**21, 128,  # the gate table: 2**21 x 128 elements
+    (OP_GATED, DT_BF16, 2**21, 128,  # the gate table: 2**21 x 128 elements
      ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 5, True, 256)),
-    (cb.OP_GATED, cb.DT_BF16, 4096, 128,  # 2**19 elements: no table
+    (OP_GATED, DT_BF16, 4096, 128,  # 2**19 elements: no table
      ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 0, False, 256)),
-    (cb.OP_FUSED, cb.DT_F32, 32768, 2048,
+    (OP_FUSED, DT_F32, 32768, 2048,
      ("normspec_bwd_pipe_kernel<1, float, 2, 8, false, -1>", 5, False, 256)),
     # rows that do not fill the team: the general form
-    (cb.OP_RMS, cb.DT_F16, 100000, 1003,
+    (OP_RMS, DT_F16, 100000, 1003,
      ("normspec_bwd_pipe_kernel<0, __half, 2, -1, false, -1>", 5, False, 64)),
 ])
 def test_pipe_backward_launch(op, dt, rows, hidden, want):
-    name, glog, groups, table, (block, smem, team_log) = cb.pipe_backward_launch(
+    name, glog, groups, table, (block, smem, team_log) = cb.launches.pipe_backward_launch(
         op, dt, rows, hidden, 132, 232448)
     assert (name, glog, table, block) == want
     assert groups == -(-rows // (1 << glog))
-    vec = cb.vec_of(dt)
-    assert smem == cb.pipe_smem_bytes(team_log, int(name.split(", ")[2]), vec, glog, table)
-    assert cb.fits_smem(smem, 232448)
+    vec = cb.geometry.vec_of(dt)
+    assert smem == cb.geometry.pipe_smem_bytes(team_log, int(name.split(", ")[2]), vec, glog, table)
+    assert cb.geometry.fits_smem(smem, 232448)
     # the grid: every group's team, at most the resident blocks
     teams_per_block = block >> team_log
-    grid = cb.persistent_grid(groups, team_log, 2, 132)
+    grid = cb.geometry.persistent_grid(groups, team_log, 2, 132)
     assert grid == min(-(-groups // teams_per_block), 264)
 
 
 _BF16 = "__nv_bfloat16"
 _PAIR = "normspec::normspec_gated_bwd_pair_kernel"
-_GATED_GRID = (cb.OP_GATED, cb.DT_BF16, 2**21, 128)  # the bench's GDN norm
+_GATED_GRID = (OP_GATED, DT_BF16, 2**21, 128)  # the bench's GDN norm
 
 
 @pytest.mark.parametrize("args,kw,want", [
     # the saved rstd: the constant forms that read it
-    ((cb.OP_RMS, cb.DT_BF16, 32768, 2048), {"saved": True},
+    ((OP_RMS, DT_BF16, 32768, 2048), {"saved": True},
      (f"normspec_bwd_pipe_kernel<0, {_BF16}, 2, 7, true, -1>", 4, False)),
-    ((cb.OP_FUSED_SUM, cb.DT_BF16, 32768, 2048), {"saved": True},
+    ((OP_FUSED_SUM, DT_BF16, 32768, 2048), {"saved": True},
      (f"normspec_bwd_pipe_kernel<3, {_BF16}, 2, 7, true, -1>", 4, False)),
-    ((cb.OP_RMS, cb.DT_F16, 100000, 1003), {"saved": True},  # the general form
+    ((OP_RMS, DT_F16, 100000, 1003), {"saved": True},  # the general form
      ("normspec_bwd_pipe_kernel<0, __half, 2, -1, true, -1>", 5, False)),
     # the rms norm's one-row groups: a team per row, 128 x 2 as 256 x 1 up to 8 x SMs rows
-    ((cb.OP_RMS, cb.DT_BF16, 1, 2048), {},
+    ((OP_RMS, DT_BF16, 1, 2048), {},
      (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, false>", 0, False)),
-    ((cb.OP_RMS, cb.DT_BF16, 1056, 2048), {"saved": True},
+    ((OP_RMS, DT_BF16, 1056, 2048), {"saved": True},
      (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, true>", 0, False)),
-    ((cb.OP_RMS, cb.DT_BF16, 1057, 2048), {"saved": True},
+    ((OP_RMS, DT_BF16, 1057, 2048), {"saved": True},
      (f"normspec_bwd_row_kernel<{_BF16}, 2, 7, true>", 0, False)),
-    ((cb.OP_RMS, cb.DT_BF16, 64, 256), {"saved": True},
+    ((OP_RMS, DT_BF16, 64, 256), {"saved": True},
      (f"normspec_bwd_row_kernel<{_BF16}, 1, 5, true>", 0, False)),
-    ((cb.OP_FUSED, cb.DT_BF16, 64, 2048), {},  # the rms norm's only
+    ((OP_FUSED, DT_BF16, 64, 2048), {},  # the rms norm's only
      (f"normspec_bwd_pipe_kernel<1, {_BF16}, 2, 7, false, -1>", 0, False)),
     # the gate-table backward with the saved rstd: the convention as constants, two rows
     # a team per iteration where the groups have two rows or more
@@ -1106,17 +1126,17 @@ _GATED_GRID = (cb.OP_GATED, cb.DT_BF16, 2**21, 128)  # the bench's GDN norm
      (f"{_PAIR}<{_BF16}, 4, 7>", 5, True)),
     (_GATED_GRID, {},  # recomputing rstd: the run-time convention
      (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, false, -1>", 5, True)),
-    ((cb.OP_GATED, cb.DT_BF16, 8192, 128), {"saved": True},  # one-row groups
+    ((OP_GATED, DT_BF16, 8192, 128), {"saved": True},  # one-row groups
      (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>", 0, True)),
-    ((cb.OP_GATED, cb.DT_BF16, 2**17, 256), {"saved": True},
+    ((OP_GATED, DT_BF16, 2**17, 256), {"saved": True},
      (f"{_PAIR}<{_BF16}, 5, 0>", 4, True)),
-    ((cb.OP_GATED, cb.DT_F16, 2**21, 128), {"saved": True},  # the table holds bf16
+    ((OP_GATED, DT_F16, 2**21, 128), {"saved": True},  # the table holds bf16
      ("normspec_bwd_pipe_kernel<2, __half, 1, 4, true, -1>", 5, False)),
 ])
 def test_pipe_backward_launch_forms(args, kw, want):
     """The forms ``launch_bwd_pipe`` picks: the saved rstd's, the one-row backward, the
     gated convention as constants and the pair kernel."""
-    launch = cb.pipe_backward_launch(*args, 132, 232448, **kw)
+    launch = cb.launches.pipe_backward_launch(*args, 132, 232448, **kw)
     assert (launch.name, launch.glog, launch.table) == want
     assert launch.name in cb.name_expressions(args[0], args[1])
     rows, hidden = args[2], args[3]
@@ -1130,16 +1150,18 @@ def test_pipe_backward_launch_forms(args, kw, want):
         assert smem == 8192 * 8 + (launch.glog - 1) * 8 * 4 * 256 and block == 256
     else:
         np_ = int(launch.name.split(", ")[2])
-        assert smem == cb.pipe_smem_bytes(team_log, np_, cb.vec_of(args[1]), launch.glog,
-                                          launch.table)
-    assert cb.fits_smem(smem, 232448)
+        vec = cb.geometry.vec_of(args[1])
+        assert smem == cb.geometry.pipe_smem_bytes(team_log, np_, vec, launch.glog,
+                                                   launch.table)
+    assert cb.geometry.fits_smem(smem, 232448)
 
 
 def test_gt_form():
     """The GT forward's form of each convention and weight (``gt_form_of``)."""
-    assert [cb.gt_form(False, False, False), cb.gt_form(False, True, True)] == [1, 4]
-    assert [cb.gt_form(True, False, False), cb.gt_form(True, True, False),
-            cb.gt_form(True, True, True)] == [2, 3, 5]
+    gt_form = cb.launches.gt_form
+    assert [gt_form(False, False, False), gt_form(False, True, True)] == [1, 4]
+    assert [gt_form(True, False, False), gt_form(True, True, False),
+            gt_form(True, True, True)] == [2, 3, 5]
 
 
 def test_pair_kernel_only_where_offsets_fit_32_bits():
@@ -1147,20 +1169,20 @@ def test_pair_kernel_only_where_offsets_fit_32_bits():
     pipelined kernel's constant GC form (``normspec_gated_bwd_pair_kernel`` does its row
     arithmetic in 32 bits: ``offsets_fit_32``); the bench's contiguous rows run the pair
     kernel."""
-    args = (cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 232448)
-    near = cb.pipe_backward_launch(*args, (128, 128, 128, 0, 128, 128), saved=True)
+    args = (OP_GATED, DT_BF16, 2**21, 128, 132, 232448)
+    near = cb.launches.pipe_backward_launch(*args, (128, 128, 128, 0, 128, 128), saved=True)
     assert near.name == f"{_PAIR}<{_BF16}, 4, 0>"
-    far = cb.pipe_backward_launch(*args, (2048, 128, 128, 0, 128, 128), saved=True)
+    far = cb.launches.pipe_backward_launch(*args, (2048, 128, 128, 0, 128, 128), saved=True)
     assert far.name == f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>"
 
 
 def test_pipe_backward_launch_bounds():
-    args = (cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 232448)
-    assert cb.pipe_backward_launch(*args)[3]
+    args = (OP_GATED, DT_BF16, 2**21, 128, 132, 232448)
+    assert cb.launches.pipe_backward_launch(*args)[3]
     # rows of more than 1024 vectors: the register and streaming kernels
-    assert cb.pipe_backward_launch(cb.OP_RMS, cb.DT_BF16, 64, 8200, 132, 232448) is None
+    assert cb.launches.pipe_backward_launch(OP_RMS, DT_BF16, 64, 8200, 132, 232448) is None
     # a device with less shared memory keeps the table out
-    assert not cb.pipe_backward_launch(cb.OP_GATED, cb.DT_BF16, 2**21, 128, 132, 65536)[3]
+    assert not cb.launches.pipe_backward_launch(OP_GATED, DT_BF16, 2**21, 128, 132, 65536)[3]
 
 
 HS = (1, 2, 3, 4, 7, 8, 9, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 257, 500, 511, 512,
@@ -1177,8 +1199,8 @@ def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int
     if nvec > 1024:
         return 0, 0
     one_pass = 32 if backward else 16
-    team = (cb.next_pow2(nvec) if nvec <= one_pass else
-            cb.next_pow2(nvec) // 2 if nvec <= 512 else 256)
+    team = (cb.geometry.next_pow2(nvec) if nvec <= one_pass else
+            cb.geometry.next_pow2(nvec) // 2 if nvec <= 512 else 256)
     np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
     return team.bit_length() - 1, np_
 
@@ -1187,16 +1209,16 @@ def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, gr
     """The pipelined backward's plan: its geometry, a shared-memory budget of 40 KiB per
     block for the dweight stacks, and groups that cover the rows; unaligned rows keep the
     register kernels' plan."""
-    vec = cb.vec_of(dt)
+    vec = cb.geometry.vec_of(dt)
     if not aligned or pipe_default(hidden, vec) == (0, 0):
         assert pipe == 0, line
-        assert (glog, groups) == cb.backward_plan(dt, rows, hidden, sm), line
+        assert (glog, groups) == cb.geometry.backward_plan(dt, rows, hidden, sm), line
         return
     assert pipe == 1 and (team_log, np_) == pipe_default(hidden, vec), line
     block = 256 if team_log <= 5 else 1 << team_log
     assert 0 <= glog <= 5 and glog * np_ * vec * 4 * block <= 40960, line
     assert groups == -(-rows // (1 << glog)), line
-    assert rows == 0 or (1 << glog) <= cb.next_pow2(rows), line
+    assert rows == 0 or (1 << glog) <= cb.geometry.next_pow2(rows), line
 
 
 def check_stack_cap(team_log, np_, vec, optin, glog, *, line):
@@ -1237,46 +1259,47 @@ def test_plan_matches_the_cpp_launcher(launch_probe):
         v = [int(t) for t in v]
         if kind == "G":
             hidden, vec, ft, fnp, bt, bnp = v
-            assert cb.forward_geometry(hidden, vec) == (ft, fnp), line
-            assert cb.backward_geometry(hidden, vec) == (bt, bnp), line
+            assert cb.geometry.forward_geometry(hidden, vec) == (ft, fnp), line
+            assert cb.geometry.backward_geometry(hidden, vec) == (bt, bnp), line
         elif kind == "P":
             dt, rows, hidden, sm, glog, groups = v
-            assert cb.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
+            assert cb.geometry.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
         elif kind == "Q":
             check_pipe_plan(*v, line=line)
             dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups = v
             # the CuPy backend's mirror of the pipelined backward's plan
             if pipe:
-                assert cb.pipe_backward_plan(dt, rows, hidden, sm, optin) == (
+                assert cb.geometry.pipe_backward_plan(dt, rows, hidden, sm, optin) == (
                     team_log, np_, glog, groups), line
             elif aligned:
-                assert cb.pipe_backward_plan(dt, rows, hidden, sm, optin) is None, line
+                assert cb.geometry.pipe_backward_plan(dt, rows, hidden, sm, optin) is None, line
         elif kind == "W":
             hidden, vec, bwd, team_log, np_ = v
             assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
             if bwd:
-                assert cb.pipe_backward_geometry(hidden, vec) == (team_log, np_), line
+                assert cb.geometry.pipe_backward_geometry(hidden, vec) == (team_log, np_), line
             else:  # the CuPy backend's mirror of the persistent forward's geometry
-                assert cb.pipe_forward_geometry(hidden, vec) == (team_log, np_), line
+                assert cb.geometry.pipe_forward_geometry(hidden, vec) == (team_log, np_), line
         elif kind == "O":
             assert optin > 48 * 1024, line
         elif kind == "R":
             hidden, vec, two, rows, team_log, np_, block = v
             # the CuPy backend's mirror of the one-row forward's launch
-            assert (team_log, np_) == cb.row_geometry(hidden, vec, bool(two), rows, sms), line
+            got = cb.geometry.row_geometry(hidden, vec, bool(two), rows, sms)
+            assert (team_log, np_) == got, line
             assert np_ == 0 or (1 << team_log) * np_ * vec >= hidden, line
-            assert np_ == 0 or block == cb.row_block(team_log, rows, sms), line
+            assert np_ == 0 or block == cb.geometry.row_block(team_log, rows, sms), line
         elif kind == "S":
             assert sms > 0, line
         elif kind == "M":
             check_stack_cap(*v, line=line)
         elif kind == "C":
-            assert cb.col_tree_rows_out(v[0]) == v[1], line
+            assert cb.geometry.col_tree_rows_out(v[0]) == v[1], line
         elif kind == "L":
-            assert v[0] <= cb.COL_TREE_LAST_MAX, line
-            assert cb.col_tree_last_launch(v[0], 1)[:2] == (v[1], v[2]), line
+            assert v[0] <= cb.geometry.COL_TREE_LAST_MAX, line
+            assert cb.geometry.col_tree_last_launch(v[0], 1)[:2] == (v[1], v[2]), line
         elif kind == "F":
-            assert cb.grid_for(v[0], v[1]) == v[2], line
+            assert cb.geometry.grid_for(v[0], v[1]) == v[2], line
         n += 1
     assert n > 5000
 
@@ -1298,20 +1321,20 @@ def test_a_module_compile_is_announced_and_cached(monkeypatch, tmp_path, capsys)
                                    nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0))),
         RawModule=lambda path: loaded.append(Path(path).read_bytes()) or "module")
     monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: "sm_90")
-    monkeypatch.setattr(cb, "compile_kernels", fake_compile)
-    monkeypatch.setattr(cb, "_modules", {})
-    module, mapping = cb._module(0, cb.OP_GATED, cb.DT_BF16, "forward")
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.nvrtc, "device_arch", lambda cp, dev: "sm_90")
+    monkeypatch.setattr(cb.nvrtc, "compile_kernels", fake_compile)
+    monkeypatch.setattr(cb.device, "_states", {})
+    module, mapping = cb.device.state(0).module(OP_GATED, DT_BF16, "forward")
     err = capsys.readouterr().err
     assert compiled == ["sm_90"] and module == "module"
-    assert set(mapping) == set(cb.name_expressions(cb.OP_GATED, cb.DT_BF16, "forward"))
+    assert set(mapping) == set(cb.name_expressions(OP_GATED, DT_BF16, "forward"))
     assert ("compiling the rms_norm_gated forward kernels (bfloat16, sm_90) with NVRTC" in err
             and str(tmp_path / "cache") in err)
     assert re.search(r"compiled the rms_norm_gated forward kernels \(bfloat16, sm_90\) in \d+ s",
                      err)
-    monkeypatch.setattr(cb, "_modules", {})  # a new process: from the disk cache
-    assert cb._module(0, cb.OP_GATED, cb.DT_BF16, "forward")[1] == mapping
+    monkeypatch.setattr(cb.device, "_states", {})  # a new process: from the disk cache
+    assert cb.device.state(0).module(OP_GATED, DT_BF16, "forward")[1] == mapping
     assert compiled == ["sm_90"] and capsys.readouterr().err == ""
     assert loaded == [b"\x7fELF image"] * 2
 
@@ -1324,12 +1347,12 @@ def _fake_nvrtc_world(monkeypatch, tmp_path, compile_kernels):
                                    nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0))),
         RawModule=lambda path: Path(path).read_bytes())
     monkeypatch.setenv("NORMSPEC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cb, "_cupy", lambda: fake_cp)
-    monkeypatch.setattr(cb, "_device_arch", lambda cp, dev: "sm_90")
-    monkeypatch.setattr(cb, "compile_kernels", compile_kernels)
-    monkeypatch.setattr(cb, "_modules", {})
-    monkeypatch.setattr(cb, "_compile_locks", {})
-    monkeypatch.setattr(cb, "_compile_error", None)
+    monkeypatch.setattr(cb.nvrtc, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cb.nvrtc, "device_arch", lambda cp, dev: "sm_90")
+    monkeypatch.setattr(cb.nvrtc, "compile_kernels", compile_kernels)
+    monkeypatch.setattr(cb.device, "_states", {})
+    monkeypatch.setattr(cb.nvrtc, "_compile_locks", {})
+    monkeypatch.setattr(cb.nvrtc, "compile_error", None)
     return fake_cp
 
 
@@ -1351,16 +1374,16 @@ def test_modules_compile_side_by_side(monkeypatch, tmp_path, capsys):
         if nth <= 3:
             barrier.wait()
         if nth == 3:
-            loaded_meanwhile.append(cb._module(0, cb.OP_RMS, cb.DT_F32, "forward")[0])
+            loaded_meanwhile.append(cb.device.state(0).module(OP_RMS, DT_F32, "forward")[0])
         return _image(names, f"{names[0]} image")
 
     _fake_nvrtc_world(monkeypatch, tmp_path, lambda names, arch: _image(
         names, f"{names[0]} image"))
-    cb._module_image(cb._cupy(), 0, *cb.MODULES[0])  # on disk, not loaded
+    cb.nvrtc.module_image(cb.nvrtc.require_cupy(), 0, *cb.MODULES[0])  # on disk, not loaded
     capsys.readouterr()
-    monkeypatch.setattr(cb, "compile_kernels", fake_compile)
+    monkeypatch.setattr(cb.nvrtc, "compile_kernels", fake_compile)
     cb.compile_modules(0, jobs=3)
-    assert cb.MODULES[0] == (cb.OP_RMS, cb.DT_F32, "forward")
+    assert cb.MODULES[0] == (OP_RMS, DT_F32, "forward")
     assert sorted(compiled) == sorted(tuple(cb.name_expressions(*module))
                                       for module in cb.MODULES[1:])
     assert loaded_meanwhile == [f"{cb.name_expressions(*cb.MODULES[0])[0]} image".encode()]
@@ -1383,7 +1406,7 @@ def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tm
     _fake_nvrtc_world(monkeypatch, tmp_path, fake_compile)
     results = []
     threads = [threading.Thread(target=lambda: results.append(
-        cb._module_image(cb._cupy(), 0, cb.OP_FUSED, cb.DT_BF16, "backward")))
+        cb.nvrtc.module_image(cb.nvrtc.require_cupy(), 0, OP_FUSED, DT_BF16, "backward")))
         for _ in range(3)]
     for t in threads:
         t.start()
@@ -1398,7 +1421,7 @@ def test_one_module_is_compiled_once_by_threads_that_race_for_it(monkeypatch, tm
 def test_a_failed_compile_is_raised_after_the_others_finish(monkeypatch, tmp_path):
     """One module NVRTC refuses: ``compile_modules`` raises its error once the others
     finished, their images are cached, and ``available()`` reports the failure since."""
-    bad = cb.name_expressions(cb.OP_GATED, cb.DT_F16, "backward")
+    bad = cb.name_expressions(OP_GATED, DT_F16, "backward")
 
     def fake_compile(names, arch):
         if names == bad:
@@ -1409,7 +1432,7 @@ def test_a_failed_compile_is_raised_after_the_others_finish(monkeypatch, tmp_pat
     with pytest.raises(cb.NVRTCCompileError, match="planted"):
         cb.compile_modules(0, jobs=4)
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == 20
-    assert "planted" in cb._compile_error
+    assert "planted" in cb.nvrtc.compile_error
 
 
 # ---- NVRTC, without a GPU ---------------------------------------------------------------
@@ -1419,7 +1442,7 @@ def _nvrtc_or_skip():
         cp.cuda.nvrtc.getVersion()
     except Exception as exc:  # libnvrtc not found
         pytest.skip(f"NVRTC not loadable: {exc}")
-    if cb.cuda_include_dir() is None:
+    if cb.nvrtc.cuda_include_dir() is None:
         pytest.skip("no CUDA headers (cuda_bf16.h) for NVRTC: pip install nvidia-cuda-runtime")
     return cp
 
@@ -1432,8 +1455,8 @@ def sm90_modules(request) -> dict[tuple[int, int, str], Future]:
     _nvrtc_or_skip()
     # the longest first (backward, gated, 16-bit), so the pool does not end on a long one
     def longest_first(modules):
-        return sorted(modules, key=lambda m: (m[2] != "backward", m[0] != cb.OP_GATED,
-                                              m[1] == cb.DT_F32))
+        return sorted(modules, key=lambda m: (m[2] != "backward", m[0] != OP_GATED,
+                                              m[1] == DT_F32))
 
     return compile_ahead(request, "test_every_kernel_compiles_to_sm90_cubin", "module",
                          lambda m: cb.compile_kernels(cb.name_expressions(*m), "sm_90"),
@@ -1500,15 +1523,15 @@ def test_every_kernel_compiles_to_sm90_cubin(module, sm90_modules):
 def test_compile_options():
     """NVRTC's options: the IEEE flags, the sources' and CUDA's includes, the target last,
     and no definitions."""
-    opts = cb.compile_options("-arch=sm_90")
+    opts = cb.nvrtc.compile_options("-arch=sm_90")
     assert opts[-1] == "-arch=sm_90" and opts[:len(cb.NVRTC_OPTIONS)] == cb.NVRTC_OPTIONS
     assert f"-I{cb.CSRC}" in opts and not any(o.startswith("-D") for o in opts)
 
 
 def _registers(names, monkeypatch) -> dict[str, int]:
     """Registers per thread of each kernel, from ptxas's report through NVRTC (sm_90)."""
-    real = cb.compile_options
-    monkeypatch.setattr(cb, "compile_options", lambda a: (*real(a), "--ptxas-options=-v"))
+    real = cb.nvrtc.compile_options
+    monkeypatch.setattr(cb.nvrtc, "compile_options", lambda a: (*real(a), "--ptxas-options=-v"))
     _image, mapping, log = cb.compile_kernels(names, "sm_90")
     regs, current = {}, None
     for line in log.splitlines():
@@ -1533,7 +1556,7 @@ def test_pinned_occupancy_caps_the_registers(monkeypatch):
 def test_ptx_has_ieee_arithmetic_only():
     """No flush-to-zero, no contraction into fma, no approximate division or sqrt."""
     _nvrtc_or_skip()
-    image, _, _ = cb.compile_kernels(cb.name_expressions(cb.OP_GATED, cb.DT_BF16), "compute_90")
+    image, _, _ = cb.compile_kernels(cb.name_expressions(OP_GATED, DT_BF16), "compute_90")
     ptx = image.decode()
     assert ".entry" in ptx
     assert ".ftz" not in ptx
@@ -1543,7 +1566,8 @@ def test_ptx_has_ieee_arithmetic_only():
 
 def test_compile_error_reports_the_log(monkeypatch):
     _nvrtc_or_skip()
-    monkeypatch.setattr(cb, "source_text", lambda: "#include \"normspec_kernels.cuh\"\nint x = ;\n")
+    monkeypatch.setattr(cb.nvrtc, "source_text",
+                        lambda: "#include \"normspec_kernels.cuh\"\nint x = ;\n")
     with pytest.raises(cb.NVRTCCompileError, match="NVRTC compile failed") as info:
         cb.compile_kernels(["normspec_col_tree_kernel"], "sm_90")
     assert "expected an expression" in str(info.value)
@@ -1573,12 +1597,12 @@ def test_tree_tail_folds_like_the_spec(groups):
     ws[3::13, 2] = float("nan")
     want = row_tree(ws)
     g, t = groups, ws
-    while g > cb.COL_TREE_LAST_MAX:
-        gout, clog, _grid = cb.col_tree_launch(g, hidden)
+    while g > cb.geometry.COL_TREE_LAST_MAX:
+        gout, clog, _grid = cb.geometry.col_tree_launch(g, hidden)
         pad = torch.zeros(gout * (1 << clog) - g, hidden)
         t = _fold_pairs(torch.cat([t, pad]).view(gout, 1 << clog, hidden), 1)
         g = gout
-    clog1, slog, grid = cb.col_tree_last_launch(g, hidden)
+    clog1, slog, grid = cb.geometry.col_tree_last_launch(g, hidden)
     assert grid[0] * 16 >= hidden
     pad = torch.zeros((1 << (clog1 + slog)) - g, hidden)
     segments = _fold_pairs(torch.cat([t, pad]).view(1 << slog, 1 << clog1, hidden), 1)
@@ -1593,13 +1617,13 @@ def _count_calls(monkeypatch, *names: str) -> list[str]:
     """Counts the calls of the backend's planners ``names`` (each call appends its name)."""
     asked: list[str] = []
     for name in names:
-        real = getattr(cb, name)
+        real = getattr(cb.plans, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             asked.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(cb, name, spy)
+        monkeypatch.setattr(cb.plans, name, spy)
     return asked
 
 
@@ -1613,7 +1637,7 @@ def test_a_repeated_call_reuses_its_plan(monkeypatch):
     w = torch.zeros(2048, dtype=torch.bfloat16)
 
     def forward() -> tuple:
-        cb._forward("torch", cb.OP_RMS, [x], w, 1e-6, {"offset": 1.0})
+        cb.run.forward("torch", OP_RMS, [x], w, 1e-6, {"offset": 1.0})
         name, grid, block, args, smem = launches[-1]
         return name, grid, block, len(args), smem
 
@@ -1623,7 +1647,7 @@ def test_a_repeated_call_reuses_its_plan(monkeypatch):
     assert forward() == first and len(asked) == 1
     del launches[:]
     for _ in range(2):  # the backward with its dweight tree: planned once
-        cb._backward("torch", cb.OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
+        cb.run.backward("torch", OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
     assert asked[1:] == ["pipe_backward_launch", "col_tree_last_launch"]
     assert len(launches) == 4 and launches[:2] != [] and [
         (n, g, b, s) for n, g, b, _, s in launches[:2]] == [
@@ -1638,8 +1662,8 @@ def test_a_plan_is_kept_per_row_stride(monkeypatch):
     rows, hidden = 1 << 21, 128
 
     def plan(stride: int):
-        return cb._backward_plan(None, 0, cb.OP_GATED, cb.DT_BF16, cb.DT_BF16, rows, hidden,
-                                 cb.F_ALIGNED | cb.F_W_IS_INPUT,
+        return cb.plans.plan_backward(None, 0, OP_GATED, DT_BF16, DT_BF16, rows, hidden,
+                                 F_ALIGNED | F_W_IS_INPUT,
                                  (stride, stride, stride, 0, hidden, hidden), True)
 
     dense, wide = plan(hidden), plan(16 * hidden)  # the wide rows end past 2**31 elements
@@ -1650,7 +1674,7 @@ def test_a_plan_is_kept_per_row_stride(monkeypatch):
 def test_the_backend_reads_only_its_cache_folder():
     """The only variable of its own the backend reads is the compile cache's folder,
     through ``os.environ``."""
-    source = Path(cb.__file__).read_text()
+    source = "".join(p.read_text() for p in Path(cb.__file__).parent.glob("*.py"))
     assert set(re.findall(r'"(NORMSPEC_[A-Z0-9_]+)"', source)) == {"NORMSPEC_CUPY_CACHE_DIR"}
     assert "_data" not in re.findall(r"environ\.(\w+)", source)
 
@@ -1659,11 +1683,11 @@ def test_the_kept_plans_stay_bounded(monkeypatch):
     """Shapes that vary without end (the tokens of prefills) do not grow the kept plans
     past ``_PLANS_MAX``."""
     launches = _record_launches(monkeypatch)
-    monkeypatch.setattr(cb, "_PLANS_MAX", 8)
+    monkeypatch.setattr(cb.device, "_PLANS_MAX", 8)
     w = torch.zeros(64)
     for rows in range(1, 30):
-        cb._forward("torch", cb.OP_RMS, [torch.zeros(rows, 64)], w, 1e-6, {})
-        assert 1 <= len(cb._plans) <= 8
+        cb.run.forward("torch", OP_RMS, [torch.zeros(rows, 64)], w, 1e-6, {})
+        assert 1 <= len(cb.device.state(0).plans) <= 8
     assert len(launches) == 29
 
 
@@ -1674,11 +1698,11 @@ def test_torch_streams_reach_cupy_as_their_raw_handles(monkeypatch):
     import cupy
 
     handles = {0: 0x1000, 1: 0x2000}
-    monkeypatch.setattr(cb, "_torch_raw_stream", lambda dev: handles[dev])
-    monkeypatch.setattr(cb, "_cupy_streams", {})
-    first = cb._torch_stream_for_cupy(cupy, 0)
-    assert first.ptr == 0x1000 and cb._torch_stream_for_cupy(cupy, 0) is first
-    other = cb._torch_stream_for_cupy(cupy, 1)
+    monkeypatch.setattr(cb.arrays, "_torch_raw_stream", lambda dev: handles[dev])
+    monkeypatch.setattr(cb.arrays, "_cupy_streams", {})
+    first = cb.arrays._torch_stream_for_cupy(cupy, 0)
+    assert first.ptr == 0x1000 and cb.arrays._torch_stream_for_cupy(cupy, 0) is first
+    other = cb.arrays._torch_stream_for_cupy(cupy, 1)
     assert other.ptr == 0x2000 and other is not first
     handles[0] = 0x3000  # another stream made current on device 0
-    assert cb._torch_stream_for_cupy(cupy, 0).ptr == 0x3000
+    assert cb.arrays._torch_stream_for_cupy(cupy, 0).ptr == 0x3000
