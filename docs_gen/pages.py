@@ -160,6 +160,10 @@ def operator_page(
     return "\n".join(lines)
 
 
+#: The report field reference, shown under the overview.
+REPORT_FIELDS = Path(__file__).resolve().parent / "report_fields.md"
+
+
 def conformance_page(reports: Sequence[Report]) -> str:
     """All operators × profiles × backends on one page."""
     return "\n".join([
@@ -171,6 +175,8 @@ def conformance_page(reports: Sequence[Report]) -> str:
         "",
         levels_table(),
         render_overview(reports, OPS),
+        "",
+        REPORT_FIELDS.read_text(),
     ])
 
 
