@@ -568,8 +568,8 @@ def test_a_rawkernel_launch_without_a_current_context_binds_one_and_retries(monk
 
 def test_cold_driver_calls_bind_the_context_first(monkeypatch):
     """The driver calls that come before a thread's first launch bind the device's primary
-    context first: a module's load (``get_function`` in ``_kernel``) and a pipelined
-    kernel's attributes and occupancy (``_prepare_pipe_kernel``); cache hits bind
+    context first: a module's load (``get_function`` in ``DeviceState.kernel``) and a pipelined
+    kernel's attributes and occupancy (``DeviceState.prepare_pipe_kernel``); cache hits bind
     nothing."""
     events = []
     monkeypatch.setattr(cb.driver, "bind_primary_context", lambda: events.append("bind"))
@@ -850,7 +850,7 @@ class _FakeStream:
 
 
 class _FakeCupy:
-    """What ``_global_gate_table`` asks of CuPy: the current stream, its capture status,
+    """What ``DeviceState.global_gate_table`` asks of CuPy: the current stream, its capture status,
     and ``empty``."""
 
     def __init__(self, stream: _FakeStream) -> None:
@@ -906,7 +906,7 @@ def test_alignment_flag():
 
 def test_quick_argument_edits_equal_replace():
     """``_with_flags`` and ``_with_weight_ptr`` (tuple edits by position) give what
-    ``_replace`` gives, and ``_Args`` still ends with its flags."""
+    ``_replace`` gives, and ``Args`` still ends with its flags."""
     a = cb.run.Args(*range(1, len(cb.run.Args._fields) + 1))
     assert cb.run.Args._fields[-1] == "flags"
     assert cb.run.with_flags(a, 99) == a._replace(flags=99)
@@ -917,7 +917,7 @@ def test_quick_argument_edits_equal_replace():
 def test_modules_split_each_op_and_dtype_by_direction():
     """An (op, dtype)'s forward and backward modules hold apart, together, every kernel its
     launchers can pick; ``kernel_part`` names the module that holds each one, which is the
-    module ``_kernel`` loads it from."""
+    module ``DeviceState.kernel`` loads it from."""
     assert len(cb.MODULES) == len(set(cb.MODULES)) == 21
     for op, dt in itertools.product(range(4), range(3)):
         forward, backward = (cb.name_expressions(op, dt, part) for part in cb.PARTS)
