@@ -90,6 +90,7 @@ class FlaBackend(Backend):
     """Adapter for FLA's ``rms_norm`` (with residual) and ``rms_norm_gated``."""
 
     name = "fla"
+    install = "pip install fla-core"
     ops = {
         "rms_norm": OpSupport(backward="full", params={"offset": (0.0, 1.0)},
                               devices=("cuda",)),
@@ -142,6 +143,7 @@ class FlaGatedBackend(Backend):
     """Adapter for FLA's ``layernorm_gated.rmsnorm_fn`` (the kernel vLLM vendors)."""
 
     name = "fla-gated"
+    install = "pip install fla-core"
     ops = {
         "rms_norm_gated": OpSupport(
             backward="full", params={"convention": ("vllm",), "activation": ("silu",)},

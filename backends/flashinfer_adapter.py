@@ -46,6 +46,8 @@ class FlashInferBackend(Backend):
     """Adapter for FlashInfer's (gemma_)rmsnorm and (gemma_)fused_add_rmsnorm."""
 
     name = "flashinfer"
+    install = ("pip install flashinfer-python (offline GPU machine: "
+               "scripts/flashinfer_offline.sh)")
     ops = {
         "rms_norm": OpSupport(backward="none", params={"offset": (0.0, 1.0)},
                               devices=("cuda",), weight_dtypes=("same",)),

@@ -37,6 +37,7 @@ class LigerBackend(Backend):
     """Adapter for Liger-Kernel's RMSNorm / fused add + RMSNorm (Triton, CUDA)."""
 
     name = "liger"
+    install = "pip install liger-kernel"
     ops = {
         "rms_norm": OpSupport(backward="full", params={"offset": (0.0, 1.0)},
                               devices=("cuda",)),

@@ -61,6 +61,7 @@ class MegatronBackend(Backend):
     """Adapter for Megatron-Core ``BatchInvariantRMSNormFn`` (Triton mean, CUDA)."""
 
     name = "megatron"
+    install = "pip install megatron-core"
     ops = {
         "rms_norm": OpSupport(backward="full", params={"offset": (0.0, 1.0)},
                               devices=("cuda",)),

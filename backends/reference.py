@@ -43,6 +43,7 @@ class ReferenceBackend(Backend):
     """The spec as a backend: exact by definition, on the CPU and on CUDA."""
 
     name = "reference"
+    install = "ships with normspec"
     source = f"normspec {__version__} spec (pure torch, declared rounding)"
     ops = {name: OpSupport(backward="full") for name in OPS}
 

@@ -63,6 +63,7 @@ class TransformerEngineBackend(Backend):
     """Adapter for ``transformer_engine.pytorch.RMSNorm`` (CUDA kernels)."""
 
     name = "transformer_engine"
+    install = "pip install 'transformer_engine[pytorch]' (builds against the local torch and CUDA)"
     ops = {
         "rms_norm": OpSupport(backward="full", params={"offset": (0.0, 1.0)},
                               devices=("cuda",)),

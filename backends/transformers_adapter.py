@@ -39,6 +39,7 @@ class TransformersBackend(Backend):
     """Adapter for HF transformers' Qwen3-Next norms (autograd backward)."""
 
     name = "transformers"
+    install = "pip install transformers"
     ops = {
         "rms_norm": OpSupport(backward="full", params={"offset": (1.0,)}),
         "fused_add_rms_norm": OpSupport(

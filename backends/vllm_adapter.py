@@ -120,6 +120,7 @@ class VllmBackend(_VllmBase):
     """vLLM's ``forward_native`` paths (GemmaRMSNorm, RMSNormGated); CPU and CUDA."""
 
     name = "vllm"
+    install = "pip install vllm==0.33.0 (the CPU paths: nox -s adapters-vllm)"
     path = "native"
     ops = {
         "rms_norm": OpSupport(backward="none", params={"offset": (1.0,)}),
@@ -153,6 +154,7 @@ class VllmCudaBackend(_VllmBase):
     """vLLM's ``forward_cuda`` paths: eager IR dispatch and the vendored FLA gated kernel."""
 
     name = "vllm-cuda"
+    install = "pip install vllm==0.33.0 (needs a CUDA GPU)"
     path = "cuda"
     ops = {
         "rms_norm": OpSupport(backward="none", params={"offset": (1.0,)}, devices=("cuda",)),

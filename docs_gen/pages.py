@@ -187,7 +187,9 @@ def _builtin_entry_points() -> list[importlib.metadata.EntryPoint]:
 
 
 def backends_page() -> str:
-    """Every built-in backend of the registry: what it wraps, ops, backward, install, status."""
+    """Every built-in backend of the registry: what it wraps, ops, backward, install. Nothing
+    is imported beyond the adapters' modules and nothing is built: whether a backend runs
+    depends on the reader's machine (``normspec list`` says)."""
     lines = [
         "# Backends",
         "",
@@ -231,10 +233,8 @@ def _backend_section(ep, entry, backend) -> list[str]:
     out += ["| | |", "| --- | --- |",
             f"| entry point | `{ep.name} = \"{ep.value}\"` |",
             f"| wraps | {_cellify(source)} |"]
-    status = _safe(backend.available)
-    out.append(f"| install | {_cellify(_install_hint(backend, status))} |")
-    out.append("| status in the docs build | "
-               + ("available" if status is None else f"unavailable: {_cellify(status)}") + " |")
+    install = getattr(backend, "install", None) or "see `normspec list`"
+    out.append(f"| install | `{_cellify(install)}` |")
     out += ["", "| op | backward | parameters | devices | weight dtypes |",
             "| --- | --- | --- | --- | --- |"]
     for op_name, support in backend.ops.items():
@@ -243,19 +243,6 @@ def _backend_section(ep, entry, backend) -> list[str]:
                    f"| {', '.join(support.devices)} | {', '.join(support.weight_dtypes)} |")
     out.append("")
     return out
-
-
-def _install_hint(backend, status: str | None) -> str:
-    """A backend's ``install`` attribute, else the ``pip install`` its unavailability names."""
-    install = getattr(backend, "install", None)
-    if install:
-        return str(install)
-    m = re.search(r"pip install [^)\n;]+", status or "")
-    if m:
-        return f"`{m.group(0).strip()}`"
-    if status is None:
-        return "ships with normspec; nothing more to install"
-    return "see the status below"
 
 
 def _safe(fn):

@@ -383,3 +383,30 @@ def test_home_page_in_chromium(site, server, tmp_path):
     shots.mkdir(exist_ok=True)
     _chromium_run(f"{server}/", f"--screenshot={shots / 'index.png'}", tmp=tmp_path / "profile")
     assert (shots / "index.png").is_file()
+
+
+def test_no_docstring_lets_markdown_eat_a_power_of_two():
+    """``2**20`` outside a code span renders as a bold "220": every module docstring the
+    site renders writes such numbers in code spans."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import normspec
+    import normspec.backends
+    import normspec.spec
+
+    pattern = re.compile(r"\d\*\*-?\d")
+    bad = []
+    for package in (normspec, normspec.spec, normspec.backends):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.endswith("__main__"):
+                continue
+            try:
+                module = importlib.import_module(info.name)
+            except Exception:  # an optional dependency missing: not rendered either
+                continue
+            for text in (inspect.getdoc(module) or "").split("`")[::2]:
+                if pattern.search(text):
+                    bad.append(info.name)
+    assert not bad, bad
