@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import importlib.metadata
@@ -274,25 +273,19 @@ def _columns(n: int) -> Iterator[None]:
             os.environ["COLUMNS"] = old
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
 def cli_page() -> str:
-    """``normspec --help`` and every subcommand's help, from the argparse parser itself."""
+    """The ``normspec`` command: each command's synopsis, options and examples, from the
+    parser itself (what ``normspec COMMAND --help`` prints)."""
     from normspec import cli
 
     with _columns(96):
-        parser = cli._parser()
+        parser, commands = cli.command_parsers()
         lines = ["[](){#normspec.cli}", "# Command line", "",
-                 "Generated from the `argparse` parser of [`normspec.cli`][normspec.cli]: "
-                 "what `normspec --help` prints.", "",
+                 "`normspec` (also `python -m normspec`); `normspec COMMAND --help` prints "
+                 "each section below.", "",
                  "```text", parser.format_help().rstrip(), "```", ""]
-        for name, sub in _subparsers(parser).items():
-            lines += [f"## `normspec {name}`", "", "```text", sub.format_help().rstrip(),
+        for name, command in commands.items():
+            lines += [f"## `normspec {name}`", "", "```text", command.format_help().rstrip(),
                       "```", ""]
     return "\n".join(lines)
 

@@ -410,3 +410,14 @@ def test_no_docstring_lets_markdown_eat_a_power_of_two():
                 if pattern.search(text):
                     bad.append(info.name)
     assert not bad, bad
+
+
+def test_the_cli_page_has_every_command_with_examples_and_no_rst():
+    md = pages.cli_page()
+    from normspec.cli import EXAMPLES
+
+    for name, examples in EXAMPLES.items():
+        assert f"## `normspec {name}`" in md
+        for command, _ in examples:
+            assert command in md
+    assert "``" not in md and "examples:" in md and "exit status:" in md

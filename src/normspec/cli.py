@@ -10,6 +10,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -30,7 +31,7 @@ from .profiles import PROFILES, get_profile
 from .report import build_report, validate_report
 from .workers import usable_cores, validate_jobs
 
-__all__ = ["main"]
+__all__ = ["EXAMPLES", "build_parser", "command_parsers", "main"]
 
 DESCRIPTION = """\
 Hold normalization kernels to normspec's declared-rounding specification.
@@ -354,20 +355,75 @@ SEEDS_HELP = "random inputs per shape (default 2, with --quick 1)"
 QUICK_HELP = "fewer shapes and one seed"
 
 
-def _parser() -> argparse.ArgumentParser:
+#: Examples per command, shown by ``normspec COMMAND --help`` and on the docs site.
+EXAMPLES: dict[str, list[tuple[str, str]]] = {
+    "list": [("normspec list", "every backend found, whether it runs here and why not")],
+    "check": [
+        ("normspec check --backend torch_ext --op rms_norm --profile cpu_bf16",
+         "one backend, one op, one profile: levels, distance from the spec, failing lines"),
+        ("normspec check --backend liger --op fused_add_rms_norm --profile cuda_bf16 "
+         "--json liger.json", "the same, with the report written"),
+    ],
+    "conformance": [
+        ("normspec conformance", "every backend, op and profile of this machine's device"),
+        ("normspec conformance --device cpu --quick --out /tmp/reports", "a quick CPU run"),
+        ("normspec conformance --backend torch_ext --require torch_ext=exact",
+         "a CI gate: exit 1 unless torch_ext is exact everywhere"),
+    ],
+    "compare": [
+        ("normspec compare --op rms_norm --profile cpu_bf16",
+         "every backend against every other, % bitwise equal"),
+        ("normspec compare --op fused_add_rms_norm --profile cuda_bf16 "
+         "--params residual_sum=fp32 --png m.png", "one convention, with a heatmap"),
+    ],
+    "build": [("normspec build", "compile the torch extension and CuPy's kernels now")],
+    "train-rollout": [
+        ("normspec train-rollout", "a tiny random Qwen3-Next, transformers against vLLM"),
+        ("normspec train-rollout --checkpoint DIR --train 0 --json r.json",
+         "your checkpoint, without training steps"),
+    ],
+}
+
+
+def _examples(command: str) -> str:
+    return "examples:\n" + "\n".join(f"  {cmd}\n      {what}"
+                                      for cmd, what in EXAMPLES[command])
+
+
+def _command_parser(sub: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=summary,
+                             description=summary[:1].upper() + summary[1:] + ".",
+                             epilog=_examples(name),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    _COMMANDS[name] = command
+    return command
+
+
+def command_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``normspec`` parser and each command's parser by name (the docs render their
+    help)."""
+    parser = build_parser()
+    return parser, dict(_COMMANDS)
+
+
+_COMMANDS: dict[str, argparse.ArgumentParser] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``normspec`` command's parser."""
     p = argparse.ArgumentParser(prog="normspec", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="backends, availability with reason, ops, backward support")
-    c = sub.add_parser("check", help="check one backend's op on one profile")
+    _command_parser(sub, "list", "backends, availability with reason, ops, backward support")
+    c = _command_parser(sub, "check", "check one backend's op on one profile")
     c.add_argument("--backend", required=True, help=BACKEND_HELP)
     c.add_argument("--op", required=True, choices=sorted(OPS), help=OP_HELP)
     c.add_argument("--profile", required=True, choices=sorted(PROFILES), help=PROFILE_HELP)
     c.add_argument("--seeds", type=_positive_int, default=None, help=SEEDS_HELP)
     c.add_argument("--quick", action="store_true", help=QUICK_HELP)
     c.add_argument("--json", help="also write the report here")
-    k = sub.add_parser("conformance", help="every available backend × op × profile")
+    k = _command_parser(sub, "conformance", "every available backend × op × profile")
     k.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when torch sees a GPU, else cpu")
     k.add_argument("--quick", action="store_true", help=QUICK_HELP)
@@ -390,8 +446,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
                         "accurate) in every report, forward and gradient (repeatable)")
-    d = sub.add_parser("compare", help="divergence matrix: every backend against every other "
-                                       "on the same inputs")
+    d = _command_parser(sub, "compare", "divergence matrix: every backend against every "
+                                        "other on the same inputs")
     d.add_argument("--op", required=True, choices=sorted(OPS), help=OP_HELP)
     d.add_argument("--profile", required=True, choices=sorted(PROFILES), help=PROFILE_HELP)
     d.add_argument("--params", nargs="*", default=[], metavar="K=V",
@@ -402,11 +458,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="the profile's quick shapes")
     d.add_argument("--json", help="write the matrix JSON here")
     d.add_argument("--png", help="write the %% bitwise-equal heatmap here")
-    sub.add_parser("build", help="build the backends that compile code (torch extension, "
-                   "CuPy's NVRTC modules)")
-    t = sub.add_parser("train-rollout",
-                       help="transformers vs vLLM on one Qwen3-Next checkpoint, norms unpatched "
-                            "and patched (needs transformers and vLLM)")
+    _command_parser(sub, "build", "build the backends that compile code (torch extension, "
+                    "CuPy's NVRTC modules)")
+    t = _command_parser(sub, "train-rollout",
+                        "transformers vs vLLM on one Qwen3-Next checkpoint, norms unpatched "
+                        "and patched (needs transformers and vLLM)")
     t.add_argument("--checkpoint", default=None,
                    help="a Qwen3-Next model directory (default: a tiny random model)")
     t.add_argument("--alignment", default="trainer", choices=("trainer",),
@@ -427,7 +483,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``normspec`` command."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:  # logs (CI, nox): tables need room, nobody resizes a log
         console = Console(width=max(console.width, 160))
