@@ -127,6 +127,10 @@ def on_files(files: Files, config) -> Files:
     return files
 
 
+#: Where the writing-a-backend page shows each operator's inputs, outputs and parameters.
+OP_CONTRACT_MARKER = "<!-- normspec:op-contract -->"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if QUICKSTART_MARKER in markdown:
         try:
@@ -134,6 +138,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         except ValueError as exc:
             raise PluginError(str(exc)) from None
         markdown = markdown.replace(QUICKSTART_MARKER, block)
+    if OP_CONTRACT_MARKER in markdown:
+        markdown = markdown.replace(OP_CONTRACT_MARKER, pages.op_contract_table())
     return markdown
 
 

@@ -290,6 +290,27 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+def op_contract_table() -> str:
+    """What ``forward`` receives and returns for each operator, from ``OPS`` itself."""
+    lines = ["| op | `rows` keys | returns (a tuple, in this order) | gradients compared "
+             "| parameters (`**params`) |", "| --- | --- | --- | --- | --- |"]
+    for op in OPS.values():
+        params: dict[str, list] = {}
+        for variant in op.variants:
+            for key, value in variant.items():
+                params.setdefault(key, [])
+                if value not in params[key]:
+                    params[key].append(value)
+        shown = "; ".join(f"`{k}` ∈ {{{', '.join(f'`{v!r}`' for v in vs)}}}"
+                          for k, vs in params.items())
+        lines.append(f"| `{op.name}` | {', '.join(f'`{r}`' for r in op.row_inputs)} "
+                     f"| ({', '.join(f'`{o}`' for o in op.outputs)}"
+                     f"{',' if len(op.outputs) == 1 else ''}) "
+                     f"| {', '.join(f'`{g}`' for g in (*op.row_grads, 'dweight'))} "
+                     f"| {shown} |")
+    return "\n".join(lines)
+
+
 def readme_quickstart(readme: str) -> str:
     """The first fenced code block under the README's ``## Quickstart`` heading."""
     m = re.search(r"^## Quickstart\s*$(.*?)^(```\w*\n.*?^```)\s*$", readme, flags=re.M | re.S)

@@ -422,3 +422,12 @@ def test_the_cli_page_has_every_command_with_examples_and_no_rst():
             assert command in md
     assert not re.search(r"(?<!`)``(?!`)", md)  # RST literals, not Markdown fences
     assert "examples:" in md and "exit status:" in md
+
+
+def test_the_op_contract_table_lists_every_op_s_outputs():
+    table = pages.op_contract_table()
+    for op in OPS.values():
+        assert f"| `{op.name}` |" in table
+        for name in op.outputs:
+            assert f"`{name}`" in table
+    assert "(`y`,)" in table  # a one-output op returns a 1-tuple
