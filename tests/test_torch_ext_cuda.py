@@ -641,11 +641,13 @@ def test_backward_ends_with_one_tree_kernel():
     mirror of the launcher's plan, which tests/test_cupy_nvrtc.py holds to the C++ one);
     bf16 rows of 256 with one-row groups run the one-row rms kernel."""
     from normspec import spec
-    from normspec.backends import cupy_backend as cb
+    from normspec.backends.cupy import codes as cb_codes
+    from normspec.backends.cupy import geometry as cb_geometry
 
     props = torch.cuda.get_device_properties(0)
     sms, optin = props.multi_processor_count, props.shared_memory_per_block_optin
-    codes = {torch.float32: cb.DT_F32, torch.bfloat16: cb.DT_BF16, torch.float16: cb.DT_F16}
+    codes = {torch.float32: cb_codes.DT_F32, torch.bfloat16: cb_codes.DT_BF16,
+             torch.float16: cb_codes.DT_F16}
     gen = torch.Generator().manual_seed(7)
     for rows in (1, 2, 3, 15, 16, 17, 100, 255, 256, 257, 4096, 4097, 70000):
         for dtype, wdtype, hidden in ((torch.bfloat16, torch.bfloat16, 256),
@@ -666,8 +668,8 @@ def test_backward_ends_with_one_tree_kernel():
                     dyc, xc, wc, 1e-6, 0.0))
             main = [i for i, n in enumerate(names) if "normspec_bwd" in n]
             assert len(main) == 1, (what, names)
-            _tl, _np, glog, groups = cb.pipe_backward_plan(codes[dtype], rows, hidden, sms,
-                                                           optin)
+            _tl, _np, glog, groups = cb_geometry.pipe_backward_plan(codes[dtype], rows, hidden,
+                                                                    sms, optin)
             if dtype == torch.bfloat16 and hidden == 256:
                 assert ("bwd_row" in names[main[0]]) == (glog == 0), (what, names)
             tail = names[main[0] + 1:]
