@@ -53,17 +53,6 @@ def test_settings_of_a_sweep_file(tmp_path):
         bc.load_rows(str(path))
 
 
-def test_the_committed_tree_tail_sweep(capsys):
-    """The one-launch tree tail (setting 0) against the old tail (setting 1): the rms
-    32768 x 2048 backward of the torch extension was faster with the new tail."""
-    sweep = ROOT / "bench" / "results" / "sweeps" / "tree_tail.json"
-    assert bc.main([f"{sweep}@1", f"{sweep}@0", "--backend", "torch_ext"]) == 0
-    out = capsys.readouterr().out
-    line = next(s for s in out.splitlines()
-                if s.startswith("rms_norm 32768x2048") and "backward" in s)
-    assert line.rstrip().endswith("faster"), line
-
-
 def test_unreadable_file_is_reported(tmp_path, capsys):
     assert bc.main([str(tmp_path / "missing.json"), str(tmp_path / "missing.json")]) == 2
     assert "cannot read it as JSON" in capsys.readouterr().err
