@@ -56,6 +56,13 @@ class _Mutating(_Spec):
         return out
 
 
+class _Exits(_Spec):
+    name = "exits-test"
+
+    def twist(self, out, rows):
+        raise SystemExit(4)
+
+
 class _NudgedWhenStrided(_Spec):
     """Exact on contiguous rows, one ulp off on column-major ones (not invariant)."""
 
@@ -91,6 +98,7 @@ def _check(backend: Backend) -> dict:
     (_TwoOutputs(), ["'two-outputs-test'", "rms_norm", "expected 1 output(s) ('y',), got 2"]),
     (_Narrow(), ["'narrow-test'", "output y: expected shape", "the input x's"]),
     (_Mutating(), ["'mutating-test'", "input x was modified"]),
+    (_Exits(), ["crash case=", "SystemExit: 4"]),
 ])
 def test_a_misbehaving_backend_fails_with_a_message_that_names_it(backend, words):
     result = _check(backend)

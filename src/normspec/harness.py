@@ -218,7 +218,7 @@ def _invariance(
     for t in TRANSFORMS:
         try:
             idx, outs = t.apply(fn, inputs, torch.Generator().manual_seed(17))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             gate.crash(label, f"invariance/{t.name}", exc, t.name)
             continue
         for name, ref, out in zip(names, reference, outs, strict=True):
@@ -246,7 +246,7 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
     f = _forward_fn(backend, op, sample)
     try:
         full = f(rows)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         fwd.crash(label, "forward", exc)
         return
     for name, got, ref in zip(op.outputs, full, op.spec_forward(sample), strict=True):
@@ -259,7 +259,7 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
     g = _grad_fn(backend, op, sample, with_weight)
     try:
         got = g(rows + douts)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         grad.crash(label, "backward", exc)
         return
     want = op.spec_backward(sample, douts)
@@ -321,7 +321,8 @@ def check(
         else:
             try:
                 _check_case(backend, op, profile, case, fwd, grad, support.backward)
-            except Exception as exc:  # whatever a backend did, the others still run
+            # whatever a backend did, sys.exit() included, the others still run
+            except (Exception, SystemExit) as exc:
                 fwd.crash(op.name + case.label(profile), "harness", exc)
         if on_case:
             on_case(case)
