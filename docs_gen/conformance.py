@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any
 from normspec.profiles import PROFILES
 from normspec.report import KIND, ReportError, read_report
 
-__all__ = ["Report", "level_badge", "load_reports", "render_conformance", "render_overview"]
+__all__ = ["Report", "answer_table", "level_badge", "load_reports", "render_conformance",
+           "render_overview"]
 
 LEVELS = ("exact", "invariant", "accurate", "fails", "unavailable", "none")
 #: Failed lines shown per (backend, profile, gate) on the site; the JSON has them all.
@@ -104,6 +106,85 @@ def _levels(result: Mapping[str, Any]) -> tuple[str, str]:
     return str(level.get("forward", "none")), str(level.get("gradient", "none"))
 
 
+#: The profiles the answer table of an operator page shows, GPU first.
+ANSWER_PROFILES = (("cuda_bf16", "GPU, bf16"), ("cpu_bf16", "CPU, bf16"))
+
+
+def _forward_distance(result: Mapping[str, Any]) -> str:
+    """The least % of bitwise-equal forward elements and the largest relative difference."""
+    stats = (result.get("contract_gates", {}).get("forward") or {}).get("statistics") or {}
+    if not stats:
+        return ""
+    equal = min(s.get("min_equal_fraction", 0.0) for s in stats.values())
+    rel = max(s.get("max_rel", 0.0) or 0.0 for s in stats.values())
+    # floored, so that 99.999 % never reads as 100
+    shown = "100" if equal == 1.0 else f"{math.floor(10000 * equal) / 100:.2f}"
+    return f"{shown} % bitwise equal, max rel {rel:.2g}"
+
+
+def _ran(result: Mapping[str, Any] | None) -> bool:
+    return result is not None and _levels(result)[0] not in ("unavailable", "none")
+
+
+def answer_table(op: str, reports: Sequence[Report]) -> str:
+    """The operator page's first table: per backend that ran anywhere, its library version,
+    the variants it implements, and on a GPU and on the CPU its levels (forward / gradient)
+    with the forward's % bitwise equal and max relative difference; "not measured" where it
+    did not run, with the run's date and device below."""
+    mine = {r.profile: r for r in reports if r.op == op}
+    results = {name for r in mine.values() for name, res in r.data["results"].items()
+               if _ran(res)}
+    if not results:
+        return ""
+    head = " | ".join(title for _, title in ANSWER_PROFILES)
+    lines = ['<div class="ns-answer" markdown>', "",
+             f"| backend | variants | {head} |",
+             "| --- | --- |" + " --- |" * len(ANSWER_PROFILES)]
+    for name in sorted(results):
+        variants, cells = "", []
+        for profile, _title in ANSWER_PROFILES:
+            report = mine.get(profile)
+            result = report.data["results"].get(name) if report else None
+            if not _ran(result):
+                cells.append("not measured on a GPU" if profile.startswith("cuda")
+                             else "not measured on the CPU")
+                continue
+            version = (report.env.get("backends") or {}).get(name)
+            skipped = set(result.get("skipped_variants") or {})
+            variants = ("all" if not skipped else
+                        ", ".join(f"`{v}`" for v in report.data["checks"]["variants"]
+                                  if v not in skipped))
+            fwd, grad = _levels(result)
+            cells.append(f"{level_badge(fwd)} / {level_badge(grad)}<br>"
+                         f"{_forward_distance(result)}"
+                         + (f"<br>version {_cell(version)}" if version else ""))
+        lines.append(f"| `{_cell(name)}` | {variants} | " + " | ".join(cells) + " |")
+    runs = []
+    for profile, title in ANSWER_PROFILES:
+        report = mine.get(profile)
+        if report is not None:
+            runs.append(f"{title}: {_cell(_device(report.env))}, "
+                        f"{str(report.env.get('date', '?'))[:10]}, {_versions(report.env)}")
+    lines += ["", "</div>", "", "Runs: " + "; ".join(runs) + ". Levels, best first: exact, "
+              "invariant, accurate, fails (defined under [Conformance](#conformance)).", ""]
+    return "\n".join(lines)
+
+
+def _unavailable_summary(report: Report) -> list[str]:
+    """Backends that did not run on ``report``'s profile, grouped by why: one line."""
+    groups: dict[str, list[str]] = {}
+    for name, result in sorted(report.data["results"].items()):
+        if _ran(result):
+            continue
+        reason = str(result.get("unavailable") or "")
+        kind = ("not implemented" if "not implemented" in reason
+                else "not installed" if "not installed" in reason
+                else "needs a CUDA GPU" if "CUDA" in reason or "cuda" in reason
+                else "other")
+        groups.setdefault(kind, []).append(f"`{_cell(name)}`")
+    return [f"{kind}: {', '.join(names)}" for kind, names in groups.items()]
+
+
 def render_conformance(
     op: str, reports: Sequence[Report], profiles: Iterable[str] = PROFILES
 ) -> str:
@@ -132,6 +213,8 @@ def render_conformance(
         libs = env.get("backends") or {}
         date = str(env.get("date", "?"))[:10]
         for backend, result in sorted(report.data["results"].items()):
+            if not _ran(result):
+                continue
             fwd, grad = _levels(result)
             ulp = (f"{_max_ulp(result, 'forward')} / {_max_ulp(result, 'gradient')}"
                    if "contract_gates" in result else "—")
@@ -142,6 +225,11 @@ def render_conformance(
                 f"| {_cell(_versions(env))} | {date} | {_commit(env)} |"
             )
     lines += ["", "</div>", ""]
+    absent = [f"`{profile}`: " + "; ".join(summary) for profile, report in mine.items()
+              if (summary := _unavailable_summary(report))]
+    if absent:
+        lines += ["Did not run (the reason of each is in the report and under the details):",
+                  "", *[f"- {line}" for line in absent], ""]
     if missing:
         shown = ", ".join(f"`{p}`" for p in missing)
         lines += [
@@ -175,8 +263,8 @@ def _details(mine: Mapping[str, Report]) -> list[str]:
         for backend, result in sorted(report.data["results"].items()):
             fwd, grad = _levels(result)
             notes: list[str] = []
-            if result.get("unavailable"):
-                notes.append(f"unavailable: {result['unavailable']}")
+            if not _ran(result):
+                continue
             for variant, why in sorted((result.get("skipped_variants") or {}).items()):
                 notes.append(f"skipped `{variant}`: {why}")
             gate_lines: list[str] = []

@@ -17,7 +17,7 @@ from normspec.ops import OPS, OpDef, variant_name
 from normspec.spec import PRESETS
 from normspec.transforms import TRANSFORMS
 
-from .conformance import Report, level_badge, render_conformance, render_overview
+from .conformance import Report, answer_table, level_badge, render_conformance, render_overview
 
 __all__ = [
     "backends_page",
@@ -100,8 +100,11 @@ def operator_page(
     lines = [
         f"# `{name}`",
         "",
-        f"Generated from the spec module [`{module}`][{module}] and the conformance reports "
-        "committed under `reports/`.",
+        f"Which libraries compute `{name}` as the spec does, from the conformance reports "
+        "committed under `reports/`:",
+        "",
+        answer_table(name, reports),
+        f"The spec below is [`{module}`][{module}].",
         "",
         "| | |",
         "| --- | --- |",

@@ -431,3 +431,17 @@ def test_the_op_contract_table_lists_every_op_s_outputs():
         for name in op.outputs:
             assert f"`{name}`" in table
     assert "(`y`,)" in table  # a one-output op returns a 1-tuple
+
+
+def test_operator_pages_lead_with_the_answer_table(tmp_path):
+    """The first table of an operator page: per backend, levels with % bitwise equal and
+    max rel on the GPU and on the CPU, 'not measured on a GPU' where it never ran there."""
+    reports = conformance.load_reports(ROOT / "reports")
+    md = pages.operator_page("rms_norm", reports)
+    answer = md.index('<div class="ns-answer"')
+    assert answer < md.index("## Specification")
+    table = md[answer:md.index("</div>", answer)]
+    assert "| `torch_ext` | all |" in table and "100 % bitwise equal, max rel 0" in table
+    assert "| `vllm` | `offset=1.0` | not measured on a GPU |" in table
+    # backends that ran nowhere are not rows of it
+    assert "`transformer_engine`" not in table
