@@ -4,8 +4,8 @@ The page generators (``docs_gen``) are checked without MkDocs. The build tests
 need the ``docs`` extra (``nox -s docs`` installs it) and are skipped without
 it; the browser tests also need Debian's ``chromium`` (``.ci/run`` installs it)
 and are skipped without it. The site is built into ``site/`` (or
-``$NORMSPEC_DOCS_SITE_DIR``) and the screenshots are saved in
-``site/screenshots/``.
+``$NORMSPEC_DOCS_SITE_DIR``); the screenshots are saved outside it, in
+``docs-screenshots/`` (git ignores it), so that they never ship with the site.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from normspec.ops import OPS
 from normspec.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The browser tests' screenshots: beside the site, never inside it.
+SCREENSHOTS = ROOT / "docs-screenshots"
 sys.path.insert(0, str(ROOT))
 
 from docs_gen import bench, conformance, pages  # noqa: E402
@@ -366,7 +368,7 @@ def test_operator_page_in_chromium(op, site, server, tmp_path):
     assert "Declared" in dom or "declared" in dom
     assert re.search(r'href="[^"]*#normspec\.spec\.\w+', dom), \
         "the spec's cross-references did not resolve to links"
-    shots = site / "screenshots"
+    shots = SCREENSHOTS
     shots.mkdir(exist_ok=True)
     png = shots / f"{op}.png"
     _chromium_run(url, f"--screenshot={png}", tmp=tmp_path / "profile")
@@ -379,7 +381,7 @@ def test_home_page_in_chromium(site, server, tmp_path):
     dom = _chromium_run(f"{server}/", "--dump-dom", tmp=tmp_path / "profile")
     assert 'class="katex"' in dom and "katex-error" not in dom
     assert "nox -s conformance" in dom
-    shots = site / "screenshots"
+    shots = SCREENSHOTS
     shots.mkdir(exist_ok=True)
     _chromium_run(f"{server}/", f"--screenshot={shots / 'index.png'}", tmp=tmp_path / "profile")
     assert (shots / "index.png").is_file()
