@@ -197,10 +197,13 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
+def plot_png(rows: Sequence[Mapping[str, Any]], title: str,
+             metric: str | None = None) -> bytes:
     """A grouped bar chart (one group per case, one bar per backend) as PNG bytes.
 
-    Bars show ``copy_fraction`` when every row has it, else ``tbps``, else ``us``.
+    Bars show ``metric`` where given (e.g. ``device_us`` for small cases, where a fraction
+    of copy bandwidth is near zero for every backend), else ``copy_fraction`` when every row
+    has it, else ``tbps``, else ``us``.
     """
     import matplotlib
 
@@ -210,18 +213,25 @@ def plot_png(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     metrics = (("device_copy_fraction", "fraction of device copy bandwidth (GPU time)"),
                ("copy_fraction", "fraction of device copy bandwidth"), ("tbps", "TB/s"),
                ("us", "µs (lower is better)"))
-    metric, label = next(((m, lab) for m, lab in metrics
-                          if all(isinstance(r.get(m), int | float) for r in rows)), metrics[-1])
+    labels = dict(metrics) | {"device_us": "µs of GPU time per call (lower is better)"}
+    if metric is not None:
+        label = labels.get(metric, metric)
+    else:
+        metric, label = next(((m, lab) for m, lab in metrics
+                              if all(isinstance(r.get(m), int | float) for r in rows)),
+                             metrics[-1])
     cases = list(dict.fromkeys(f"{r['name']} {_shape(r.get('shape'))}" for r in rows))
     backends = list(dict.fromkeys(str(r["backend"]) for r in rows))
     values = {(f"{r['name']} {_shape(r.get('shape'))}", str(r["backend"])): r.get(metric)
               for r in rows}
     height = 0.8 / max(1, len(backends))
     fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * len(cases) * max(1, len(backends)) ** 0.5))
+    # one distinct colour per backend (tab10 repeats after ten series)
+    colours = plt.get_cmap("tab20").colors
     for j, backend in enumerate(backends):
         ys = [i + j * height for i in range(len(cases))]
         xs = [values.get((c, backend)) or 0.0 for c in cases]
-        ax.barh(ys, xs, height=height, label=backend)
+        ax.barh(ys, xs, height=height, label=backend, color=colours[(2 * j) % 20 + (j // 10)])
     ax.set_yticks([i + height * (len(backends) - 1) / 2 for i in range(len(cases))])
     ax.set_yticklabels(cases)
     ax.invert_yaxis()
@@ -284,6 +294,29 @@ def against_fastest_peer(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             "multi-process section where one is committed).", ""]
 
 
+#: Cases of fewer rows than this are plotted in µs: their bytes are too few for a fraction
+#: of copy bandwidth to tell backends apart (a decode step's norms are such cases).
+SMALL_ROWS = 4096
+
+
+def _is_small(row: Mapping[str, Any]) -> bool:
+    shape = row.get("shape")
+    return isinstance(shape, list | tuple) and bool(shape) and shape[0] < SMALL_ROWS
+
+
+def _run_line(res: BenchResult) -> str:
+    env = res.environment
+    git = env.get("git") or {}
+    parts = [str(env.get("device_name") or "?"), str(env.get("date", "?"))[:10],
+             f"torch {env.get('torch', '?')}"]
+    if git.get("commit"):
+        parts.append(f"commit `{git['commit']}`")
+    return (f"From `bench/results/{res.path.name}`: " + ", ".join(_cell(p) for p in parts)
+            + ". Each of our backends against the fastest other backend of the same case "
+            "(torch eager, torch.compile, Liger, FLA, FlashInfer where installed), by GPU "
+            "time; the tables and plots below have every backend.")
+
+
 def benchmarks_page(
     results: Sequence[BenchResult], compare_files: Sequence[Path] = (),
     image_dir: str = "assets/bench", compare_dir: str = "assets/compare",
@@ -305,17 +338,19 @@ def benchmarks_page(
         lines += ['!!! note "No benchmark results committed yet"', "",
                   "    `bench/results/` holds no `*.json` file yet. Once a run's results "
                   "are committed there, this page shows their tables and plots.", ""]
+    for res in results:
+        leaders = against_fastest_peer(res.rows)
+        if leaders:
+            lines += [f"## Summary: {res.stem}", "", _run_line(res), "", *leaders]
     lines += repeats_section(repeats)
     for res in results:
         lines += [f"## {res.stem}", "", f"From `bench/results/{res.path.name}`.", ""]
         env = _flatten(res.environment)
         if env:
-            lines += ["| environment | |", "| --- | --- |"]
-            lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in env]
+            lines += ['??? info "Environment"', "", "    | environment | |",
+                      "    | --- | --- |"]
+            lines += [f"    | {_cell(k)} | {_cell(v)} |" for k, v in env]
             lines.append("")
-        leaders = against_fastest_peer(res.rows)
-        if leaders:
-            lines += [f"### {res.stem}: ours against the fastest peer", "", *leaders]
         directions = [d for d in DIRECTIONS if any(r["direction"] == d for r in res.rows)]
         directions += sorted({str(r["direction"]) for r in res.rows} - set(directions))
         for direction in directions:
@@ -344,9 +379,16 @@ def benchmarks_page(
                 lines.append(
                     f"| `{_cell(r['name'])}` | {_shape(r.get('shape'))} | `{_cell(r['backend'])}` "
                     + cells + (f" {_num(r.get('spread'), '.0%')} |" if spread else ""))
-            png = f"{image_dir}/{res.stem}-{direction}.png"
-            files[png] = plot_png(rows, f"{res.stem}: {direction}")
-            lines += ["", f"![{res.stem} {direction}]({png})", ""]
+            lines.append("")
+            small = [r for r in rows if _is_small(r)]
+            large = [r for r in rows if not _is_small(r)]
+            for part, group, metric in (("large", large, None),
+                                        ("small", small, "device_us" if device else "us")):
+                if not group:
+                    continue
+                png = f"{image_dir}/{res.stem}-{direction}-{part}.png"
+                files[png] = plot_png(group, f"{res.stem}: {direction}, {part} cases", metric)
+                lines += [f"![{res.stem} {direction} {part} cases]({png})", ""]
     lines += compare_section(compare_files, compare_dir, files)
     return "\n".join(lines) + "\n", files
 

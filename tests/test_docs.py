@@ -163,8 +163,9 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
                                                      "rows": rows}))
     md, files = bench.benchmarks_page(bench.load_results(tmp_path))
     assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 |" in md
-    assert "ours against the fastest peer" not in md  # no backend here is normspec's
-    assert set(files) == {"assets/bench/h200-forward.png", "assets/bench/h200-backward.png"}
+    assert "## Summary" not in md  # no backend here is normspec's
+    assert set(files) == {"assets/bench/h200-forward-large.png",
+                          "assets/bench/h200-backward-large.png"}
     assert all(data.startswith(b"\x89PNG") for data in files.values())
     assert "spread" not in md
     rows[0].update(us_rounds=[9.0, 10.0, 10.5], spread=0.15)
