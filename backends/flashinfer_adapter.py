@@ -9,7 +9,8 @@
   adapter clones both inputs first and returns the clones; the caller's
   tensors are never written.
 
-In flashinfer 0.7.x the default path is the CuTe-DSL kernels
+In the flashinfer releases this adapter targets (``scripts/flashinfer_offline.sh``
+pins one) the default path is the CuTe-DSL kernels
 (``flashinfer/norm/kernels``; ``FLASHINFER_USE_CUDA_NORM=1`` or an
 architecture the DSL cannot target selects the JIT-compiled ``norm.cuh``
 kernels instead). Both add in fp32, store the rounded sum as the residual and

@@ -17,10 +17,10 @@ The spec names both conventions with `residual_sum`:
 The norm is then exactly [`rms_norm`][normspec.spec.rms_norm.rms_norm] on
 the fp32 value of `s` (same tree, same `rstd`, same `offset` rule).
 
-| convention | followed by (version, file) |
+| convention | followed by (file) |
 | --- | --- |
 | `"fp32"` | vLLM 0.33 `vllm/ir/ops` `fused_add_rms_norm` and `RMSNorm.forward_static`; FlashInfer `gemma_fused_add_rmsnorm` (kernel `norm.cuh`); FLA `fla/modules/layernorm.py` with a residual; Quack |
-| `"rounded"` | transformers 5.24.0 `Qwen3NextDecoderLayer.forward` (`hidden_states = residual + hidden_states` in the model dtype); Liger `LigerFusedAddRMSNormFunction`; vLLM `GemmaRMSNorm` at older versions |
+| `"rounded"` | transformers `Qwen3NextDecoderLayer.forward` (`hidden_states = residual + hidden_states` in the model dtype); Liger `LigerFusedAddRMSNormFunction`; vLLM `GemmaRMSNorm` at older versions |
 
 For float32 inputs the two conventions coincide.
 

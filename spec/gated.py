@@ -18,10 +18,10 @@ points; the spec names them with `convention`.
 [`sigmoid_fp32`][normspec.spec.arithmetic.sigmoid_fp32]; `rstd` and `xhat`
 are exactly those of [`rms_norm`][normspec.spec.rms_norm.rms_norm].
 
-| convention | followed by (version, file) |
+| convention | followed by (file) |
 | --- | --- |
 | `"vllm"` | vLLM 0.33 `model_executor/layers/layernorm.py` `RMSNormGated.forward_native` (fp32 throughout, `activation` selects silu/sigmoid); FLA `fla/modules/fused_norm_gate.py` `FusedRMSNormGated` and `layernorm_gated.rmsnorm_fn` (fp32 in-kernel, one cast) |
-| `"hf"` | transformers 5.24.0 `models/qwen3_next/modeling_qwen3_next.py` `Qwen3NextRMSNormGated.forward` (cast to the input dtype before the weight, `silu(gate.float())`, cast again) |
+| `"hf"` | transformers `models/qwen3_next/modeling_qwen3_next.py` `Qwen3NextRMSNormGated.forward` (cast to the input dtype before the weight, `silu(gate.float())`, cast again) |
 
 For float32 inputs and weights the two conventions coincide.
 

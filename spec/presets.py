@@ -1,6 +1,6 @@
 """Named Qwen3-Next presets used by reports and docs.
 
-Values from transformers 5.24.0 `Qwen3NextConfig` defaults: `hidden_size=2048`,
+Values from transformers `Qwen3NextConfig` defaults: `hidden_size=2048`,
 `rms_norm_eps=1e-6`, `head_dim=256` (q/k norm width), `linear_value_head_dim=128`
 (the GDN output norm's width, one row per value head).
 """

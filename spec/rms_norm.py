@@ -23,9 +23,9 @@ Declared order (every step a correctly rounded operation):
 The zero-centred form (`offset = 1.0`, weight initialised to zeros) is the
 Qwen3-Next decoder norm and q/k norm. Upstream conventions:
 
-| library (version) | where | `1 + w` | order | differs from the spec in |
+| library | where | `1 + w` | order | differs from the spec in |
 | --- | --- | --- | --- | --- |
-| transformers 5.24.0 | `models/qwen3_next/modeling_qwen3_next.py`, `Qwen3NextRMSNorm.forward` | fp32 | `(x32 · rsqrt(mean + eps)) · (1 + w32)`, then cast | the mean (torch's reduction order) and `rsqrt` |
+| transformers | `models/qwen3_next/modeling_qwen3_next.py`, `Qwen3NextRMSNorm.forward` | fp32 | `(x32 · rsqrt(mean + eps)) · (1 + w32)`, then cast | the mean (torch's reduction order) and `rsqrt` |
 | vLLM 0.33 | `model_executor/layers/layernorm.py`, `GemmaRMSNorm` | fp32 | as transformers | the same |
 
 Backward (explicit, not autograd of the forward), with `dy32 = fp32(dy)`:

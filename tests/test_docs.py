@@ -448,3 +448,44 @@ def test_operator_pages_lead_with_the_answer_table(tmp_path):
     assert "| `vllm` | `offset=1.0` | not measured on a GPU |" in table
     # backends that ran nowhere are not rows of it
     assert "`transformer_engine`" not in table
+
+
+#: How prose names each library with a version (its distribution, or vLLM), and the
+#: backends whose reports record that version. (Capitalised project names are also used
+#: beside timings, "Liger 4.47 µs", so they are not read as versions.)
+_LIBRARIES = {
+    "transformers": ("transformers",), "vLLM": ("vllm", "vllm-cuda"),
+    "fla-core": ("fla", "fla-gated"), "liger-kernel": ("liger",),
+    "megatron-core": ("megatron",), "flashinfer": ("flashinfer",),
+    "flashinfer-python": ("flashinfer",), "TransformerEngine": ("transformer_engine",),
+}
+
+
+def test_library_versions_in_prose_are_the_reports_versions():
+    """A library version in the rendered prose (spec and backend docstrings, the docs
+    pages, the README) is one the committed reports measured: the site never puts a
+    version beside results that another version produced."""
+    import importlib
+    import inspect
+
+    measured: dict[str, set[str]] = {}
+    for report in conformance.load_reports(ROOT / "reports"):
+        for backend, version in (report.env.get("backends") or {}).items():
+            if version:
+                measured.setdefault(backend, set()).add(str(version))
+    texts = {path.name: path.read_text() for path in [
+        ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]}
+    for name in ("normspec.spec.rms_norm", "normspec.spec.fused_add", "normspec.spec.gated",
+                 "normspec.spec.presets", *(f"normspec.backends.{m}_adapter" for m in (
+                     "transformers", "vllm", "fla", "liger", "flashinfer", "megatron",
+                     "transformer_engine"))):
+        texts[name] = inspect.getdoc(importlib.import_module(name)) or ""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, _LIBRARIES)) +
+                         r") v?(\d+\.\d+(?:\.\d+)?)\b")
+    wrong = []
+    for where, text in texts.items():
+        for library, version in pattern.findall(text):
+            known = set().union(*(measured.get(b, set()) for b in _LIBRARIES[library]))
+            if not any(v == version or v.startswith(version + ".") for v in known):
+                wrong.append(f"{where}: {library} {version} (reports: {sorted(known)})")
+    assert not wrong, wrong
