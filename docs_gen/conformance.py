@@ -119,7 +119,7 @@ def _forward_distance(result: Mapping[str, Any]) -> str:
     rel = max(s.get("max_rel", 0.0) or 0.0 for s in stats.values())
     # floored, so that 99.999 % never reads as 100
     shown = "100" if equal == 1.0 else f"{math.floor(10000 * equal) / 100:.2f}"
-    return f"{shown} % bitwise equal, max rel {rel:.2g}"
+    return f"{shown} % equal, max rel {rel:.2g}"
 
 
 def _ran(result: Mapping[str, Any] | None) -> bool:
@@ -157,7 +157,7 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
             fwd, grad = _levels(result)
             cells.append(f"{level_badge(fwd)} / {level_badge(grad)}<br>"
                          f"{_forward_distance(result)}"
-                         + (f"<br>version {_cell(version)}" if version else ""))
+                         + (f" · {_cell(version)}" if version else ""))
         lines.append(f"| `{_cell(name)}` | {variants} | " + " | ".join(cells) + " |")
     runs = []
     for profile, title in ANSWER_PROFILES:
@@ -165,8 +165,11 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
         if report is not None:
             runs.append(f"{title}: {_cell(_device(report.env))}, "
                         f"{str(report.env.get('date', '?'))[:10]}, {_versions(report.env)}")
-    lines += ["", "</div>", "", "Runs: " + "; ".join(runs) + ". Levels, best first: exact, "
-              "invariant, accurate, fails (defined under [Conformance](#conformance)).", ""]
+    lines += ["", "</div>", "", "Runs: " + "; ".join(runs) + ". Levels (forward / gradient), "
+              "best first: exact, invariant, accurate, fails (defined under "
+              "[Conformance](#conformance)); % equal and max rel: the forward's least "
+              "fraction of bitwise-equal elements and largest relative difference; then the "
+              "library version.", ""]
     return "\n".join(lines)
 
 
@@ -286,30 +289,58 @@ def _details(mine: Mapping[str, Report]) -> list[str]:
     return out
 
 
+def _conventions(results: Sequence[Mapping[str, Any]], checks: Sequence[Sequence[str]]
+                 ) -> str:
+    """The residual-sum and gated conventions a backend ran (from the variants it did not
+    skip), e.g. ``residual_sum=rounded``; empty when it ran every one."""
+    found: dict[str, set[str]] = {}
+    every: dict[str, set[str]] = {}
+    for result, variants in zip(results, checks, strict=True):
+        skipped = set(result.get("skipped_variants") or {})
+        for variant in variants:
+            for part in variant.split(","):
+                key, _, value = part.partition("=")
+                if key in ("residual_sum", "convention"):
+                    every.setdefault(key, set()).add(value)
+                    if variant not in skipped:
+                        found.setdefault(key, set()).add(value)
+    return ", ".join(f"`{k}={'/'.join(sorted(v))}`" for k, v in sorted(found.items())
+                     if v != every.get(k))
+
+
 def render_overview(reports: Sequence[Report], ops: Iterable[str]) -> str:
-    """Backend × (op, profile) matrix of ``forward / gradient`` levels, all ops on one page."""
+    """Backend × operator, on a GPU and on the CPU (``cuda_bf16`` and ``cpu_bf16``): levels
+    (forward / gradient) and the forward's % bitwise equal; the conventions each backend
+    follows. One screen wide."""
     ops = list(ops)
-    columns = [(op, p) for op in ops for p in PROFILES
-               if any(r.op == op and r.profile == p for r in reports)]
-    if not columns:
+    if not reports:
         return ('<div class="ns-conformance" markdown>\n\n!!! note "No report committed"\n\n'
                 "    `reports/` holds no conformance report yet.\n\n</div>\n")
     by_key = {(r.op, r.profile): r for r in reports}
-    backends = sorted({b for r in reports for b in r.data["results"]})
-    head = "| backend | " + " | ".join(f"[`{op}`](operators/{op}.md#conformance)<br>`{p}`"
-                                        for op, p in columns) + " |"
-    lines = ['<div class="ns-conformance" markdown>', "", head,
-             "| --- |" + " --- |" * len(columns)]
+    backends = sorted({b for r in reports for b, res in r.data["results"].items() if _ran(res)})
+    head = "| backend | conventions | " + " | ".join(
+        f"[`{op}`](operators/{op}.md)" for op in ops) + " |"
+    lines = ['<div class="ns-answer" markdown>', "", head,
+             "| --- | --- |" + " --- |" * len(ops)]
     for b in backends:
-        cells = []
-        for key in columns:
-            res = by_key[key].data["results"].get(b)
-            if res is None:
-                cells.append("")
-                continue
-            fwd, grad = _levels(res)
-            cells.append(level_badge(fwd) if fwd == "unavailable"
-                         else f"{level_badge(fwd)} / {level_badge(grad)}")
-        lines.append(f"| `{_cell(b)}` | " + " | ".join(cells) + " |")
-    lines += ["", "</div>", ""]
+        cells, ran, checks = [], [], []
+        for op in ops:
+            parts = []
+            for profile, title in ANSWER_PROFILES:
+                report = by_key.get((op, profile))
+                result = report.data["results"].get(b) if report else None
+                if not _ran(result):
+                    continue
+                ran.append(result)
+                checks.append(report.data["checks"]["variants"])
+                fwd, grad = _levels(result)
+                equal = _forward_distance(result).split(",")[0]
+                parts.append(f"{title.split(',')[0]}: {level_badge(fwd)} / {level_badge(grad)}"
+                             f" {equal}")
+            cells.append("<br>".join(parts) or "—")
+        lines.append(f"| `{_cell(b)}` | {_conventions(ran, checks)} | " + " | ".join(cells)
+                     + " |")
+    lines += ["", "</div>", "",
+              "GPU: `cuda_bf16`; CPU: `cpu_bf16`; the fp16 and fp32 profiles are on each "
+              "operator page. A dash: the backend ran on neither.", ""]
     return "\n".join(lines)

@@ -100,8 +100,7 @@ def operator_page(
     lines = [
         f"# `{name}`",
         "",
-        f"Which libraries compute `{name}` as the spec does, from the conformance reports "
-        "committed under `reports/`:",
+        f"Which libraries compute `{name}` as the spec does (the committed reports):",
         "",
         answer_table(name, reports),
         f"The spec below is [`{module}`][{module}].",
@@ -171,12 +170,13 @@ def conformance_page(reports: Sequence[Report]) -> str:
     return "\n".join([
         "# Conformance overview",
         "",
-        "Every backend against the spec, per operator and profile, as `forward / gradient` "
-        "levels, from the reports committed under `reports/`. Each operator page has the "
-        "details: device, versions, date, commit and the failing gate lines.",
+        "Every backend that ran against the spec, per operator, on a GPU and on the CPU, "
+        "from the reports committed under `reports/`: `forward / gradient` levels and the "
+        "forward's least % of bitwise-equal elements. Each operator page has the rest: "
+        "every profile, versions, dates, commits and the failing gate lines.",
         "",
-        levels_table(),
         render_overview(reports, OPS),
+        levels_table(),
         "",
         REPORT_FIELDS.read_text(),
     ])

@@ -131,7 +131,8 @@ def test_conformance_table_from_reports(tmp_path):
     assert "forward case=x tensor=y passed=False" in md  # failing lines are shown
     assert "skipped `offset=0.0`" in md
     overview = conformance.render_overview(reports, OPS)
-    assert "ns-fails" in overview and "operators/rms_norm.md#conformance" in overview
+    assert "ns-fails" in overview and "(operators/rms_norm.md)" in overview
+    assert "CPU: " in overview and "50.00 % equal" in overview
 
 
 def test_broken_report_is_an_error(tmp_path):
@@ -339,9 +340,9 @@ def test_site_loads_nothing_from_other_hosts(site):
     assert not offenders, f"pages loading from another host: {offenders}"
 
 
-def _chromium_run(url: str, *args: str, tmp: Path) -> str:
+def _chromium_run(url: str, *args: str, tmp: Path, size: str = "1280,2200") -> str:
     proc = subprocess.run(
-        [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp}", "--window-size=1280,2200",
+        [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp}", f"--window-size={size}",
          "--virtual-time-budget=15000", *args, url],
         capture_output=True, text=True, timeout=180, check=False,
     )
@@ -444,7 +445,7 @@ def test_operator_pages_lead_with_the_answer_table(tmp_path):
     answer = md.index('<div class="ns-answer"')
     assert answer < md.index("## Specification")
     table = md[answer:md.index("</div>", answer)]
-    assert "| `torch_ext` | all |" in table and "100 % bitwise equal, max rel 0" in table
+    assert "| `torch_ext` | all |" in table and "100 % equal, max rel 0" in table
     assert "| `vllm` | `offset=1.0` | not measured on a GPU |" in table
     # backends that ran nowhere are not rows of it
     assert "`transformer_engine`" not in table
@@ -489,3 +490,55 @@ def test_library_versions_in_prose_are_the_reports_versions():
             if not any(v == version or v.startswith(version + ".") for v in known):
                 wrong.append(f"{where}: {library} {version} (reports: {sorted(known)})")
     assert not wrong, wrong
+
+
+MEASURE_SCRIPT = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const table = document.querySelector(".ns-answer table");
+  const box = table ? table.getBoundingClientRect() : null;
+  const wrap = table ? table.closest(".md-typeset__scrollwrap") || table.parentElement : null;
+  document.body.setAttribute("data-ns-measure", JSON.stringify({
+    bottom: box ? box.bottom : -1,
+    tableScroll: table ? table.scrollWidth - wrap.clientWidth : 0,
+    pageScroll: document.documentElement.scrollWidth - window.innerWidth}));
+}, 300));
+</script>"""
+
+
+@needs_mkdocs
+@needs_chromium
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_the_answer_table_fits_the_first_screen(op, site, server, tmp_path):
+    """At 1280 x 800 the operator page's answer table is on the first screen, whole, and
+    neither it nor the page scrolls sideways."""
+    page = site / "operators" / op / "index.html"
+    probe = page.with_name("measure.html")
+    probe.write_text(page.read_text().replace("</body>", MEASURE_SCRIPT + "</body>"))
+    try:
+        dom = _chromium_run(f"{server}/operators/{op}/measure.html", "--dump-dom",
+                            tmp=tmp_path / "profile", size="1280,800")
+    finally:
+        probe.unlink()
+    found = re.search(r'data-ns-measure="([^"]*)"', dom)
+    assert found, "the measuring script did not run"
+    measure = json.loads(html.unescape(found.group(1)))
+    assert 0 < measure["bottom"] <= 800, measure
+    assert measure["tableScroll"] <= 0 and measure["pageScroll"] <= 0, measure
+
+
+PAGE_KINDS = {"home": "", "operator": "operators/rms_norm/", "conformance": "conformance/",
+              "benchmarks": "benchmarks/", "backends": "backends/",
+              "train-rollout": "train-rollout/"}
+
+
+@needs_mkdocs
+@needs_chromium
+@pytest.mark.parametrize("kind", sorted(PAGE_KINDS))
+def test_each_page_kind_has_a_screenshot(kind, site, server, tmp_path):
+    """A 1280 x 800 screenshot of each kind of page, for review (``docs/screenshots/``
+    holds the committed ones)."""
+    SCREENSHOTS.mkdir(exist_ok=True)
+    png = SCREENSHOTS / f"{kind}.png"
+    _chromium_run(f"{server}/{PAGE_KINDS[kind]}", f"--screenshot={png}",
+                  tmp=tmp_path / "profile", size="1280,800")
+    assert png.read_bytes().startswith(b"\x89PNG")
