@@ -207,24 +207,33 @@ def backends_page() -> str:
     ]
     sections: list[str] = []
     entries = registry.entries()
+    documented: dict[str, str] = {}  # module -> the first backend whose section shows it
     for ep in _builtin_entry_points():
         entry = entries.get(ep.name)
         backend = entry.load() if entry else None
         ops = ", ".join(f"`{o}`" for o in (backend.ops if backend else {}))
         lines.append(f"| [`{ep.name}`](#{ep.name}) | `{ep.module}` "
                      f"| {ops or '—'} |")
-        sections += _backend_section(ep, entry, backend)
+        sections += _backend_section(ep, entry, backend, documented.get(ep.module))
+        documented.setdefault(ep.module, ep.name)
     return "\n".join([*lines, "", *sections])
 
 
-def _backend_section(ep, entry, backend) -> list[str]:
+def _backend_section(ep, entry, backend, shown_with: str | None = None) -> list[str]:
+    """A backend's section; its module's text once per module (``shown_with``: the backend
+    whose section already has it)."""
     out = [f"## `{ep.name}`", ""]
-    try:
-        module = importlib.import_module(ep.module)
-        doc = inspect.getdoc(module)
-    except Exception as exc:  # a broken backend is shown, never breaks the docs
+    if shown_with is not None:
+        out += [f"The module `{ep.module}` is described under [`{shown_with}`](#{shown_with}).",
+                ""]
         doc = None
-        out += [f'!!! failure "broken"\n\n    importing `{ep.module}` failed: `{exc}`', ""]
+    else:
+        try:
+            module = importlib.import_module(ep.module)
+            doc = inspect.getdoc(module)
+        except Exception as exc:  # a broken backend is shown, never breaks the docs
+            doc = None
+            out += [f'!!! failure "broken"\n\n    importing `{ep.module}` failed: `{exc}`', ""]
     if doc:
         out += [_demote_headings(doc), ""]
     if backend is None:

@@ -96,7 +96,9 @@ def fused_add_rms_norm(
         residual_sum: ``"fp32"`` or ``"rounded"`` (see the module text).
 
     Returns:
-        ``(y, new_residual)``, both in ``x``'s dtype.
+        y: the normalised output, in ``x``'s dtype.
+        new_residual: the sum ``x + residual`` as the next layer's residual, in
+            ``x``'s dtype.
     """
     eps, offset, residual_sum = _check(x, residual, weight, eps, offset, residual_sum)
     scale = weight_scale(weight, offset)
@@ -129,8 +131,10 @@ def fused_add_rms_norm_backward(
         x, residual, weight, eps, offset, residual_sum: as in the forward.
 
     Returns:
-        ``(dx, dresidual, dweight)``; ``dx`` and ``dresidual`` are equal by
-        construction (both inputs enter through the same sum).
+        dx: gradient of ``x``, in ``x``'s dtype.
+        dresidual: gradient of ``residual``: the same bits as ``dx`` (both inputs
+            enter through the same sum).
+        dweight: gradient of ``weight``, in the weight's dtype.
     """
     eps, offset, residual_sum = _check(x, residual, weight, eps, offset, residual_sum)
     check_like("dy", dy, x)

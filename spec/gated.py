@@ -136,8 +136,9 @@ def rms_norm_gated_backward(
     """Declared backward of [`rms_norm_gated`][normspec.spec.gated.rms_norm_gated].
 
     Returns:
-        ``(dx, dgate, dweight)``: ``dx`` and ``dgate`` in ``x``'s dtype,
-        ``dweight`` in the weight's dtype.
+        dx: gradient of ``x``, in ``x``'s dtype.
+        dgate: gradient of ``gate``, in ``x``'s dtype.
+        dweight: gradient of ``weight``, in the weight's dtype.
     """
     eps, convention, activation = _check(x, gate, weight, eps, convention, activation)
     check_like("dy", dy, x)

@@ -130,7 +130,8 @@ def rms_norm_backward(
     """Declared backward of [`rms_norm`][normspec.spec.rms_norm.rms_norm].
 
     Returns:
-        ``(dx, dweight)``: ``dx`` in ``x``'s dtype, ``dweight`` in the weight's.
+        dx: gradient of ``x``, in ``x``'s dtype.
+        dweight: gradient of ``weight``, in the weight's dtype.
     """
     check_input("x", x)
     check_like("dy", dy, x)
