@@ -84,6 +84,58 @@ def _presets_for(op: OpDef) -> list[str]:
     return out
 
 
+#: A runnable example per operator; the docs build runs it and shows what it printed.
+EXAMPLES: dict[str, str] = {
+    "rms_norm": """\
+import torch
+from normspec import spec
+
+x = torch.tensor([[1.0, -2.0, 3.0, 0.5]], dtype=torch.bfloat16)
+w = torch.zeros(4)                                # zero-centred: the scale is 1 + w
+y = spec.rms_norm(x, w, eps=1e-6, offset=1.0)
+dx, dw = spec.rms_norm_backward(torch.ones_like(x), x, w, eps=1e-6, offset=1.0)
+print("y      ", y.tolist())
+print("dx     ", dx.tolist())
+print("dweight", dw.tolist())
+""",
+    "fused_add_rms_norm": """\
+import torch
+from normspec import spec
+
+x = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.bfloat16)   # sublayer output
+r = torch.tensor([[7.0, -5.0, 3.0, 2.0]], dtype=torch.bfloat16)   # running residual
+for residual_sum in ("fp32", "rounded"):   # vLLM's and transformers' conventions
+    y, new_r = spec.fused_add_rms_norm(x, r, torch.zeros(4), eps=1e-6, offset=1.0,
+                                       residual_sum=residual_sum)
+    print(f"{residual_sum:8}", y.tolist(), new_r.tolist())
+""",
+    "rms_norm_gated": """\
+import torch
+from normspec import spec
+
+x = torch.tensor([[0.3, -1.1, 2.2, 0.7]], dtype=torch.bfloat16)
+z = torch.tensor([[1.0, -1.0, 0.5, 3.0]], dtype=torch.bfloat16)      # the gate
+w = torch.ones(4, dtype=torch.bfloat16)
+for convention in ("vllm", "hf"):
+    y = spec.rms_norm_gated(x, z, w, eps=1e-6, convention=convention)
+    print(f"{convention:5}", y.tolist())
+""",
+}
+
+
+def example_section(name: str) -> list[str]:
+    """The operator's example and the output it printed when the docs were built."""
+    import contextlib as _contextlib
+    import io
+
+    code = EXAMPLES[name]
+    out = io.StringIO()
+    with _contextlib.redirect_stdout(out):
+        exec(compile(code, f"<example {name}>", "exec"), {"__name__": "example"})
+    return ["## Example", "", "```python", code.rstrip(), "```", "", "prints", "",
+            "```text", out.getvalue().rstrip(), "```", ""]
+
+
 def operator_page(
     name: str, reports: Sequence[Report], heatmaps: Sequence[str] = ()
 ) -> str:
@@ -103,6 +155,7 @@ def operator_page(
         f"Which libraries compute `{name}` as the spec does (the committed reports):",
         "",
         answer_table(name, reports),
+        *example_section(name),
         f"The spec below is [`{module}`][{module}].",
         "",
         "| | |",

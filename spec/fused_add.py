@@ -1,5 +1,11 @@
 r"""Fused residual add + RMSNorm, in both residual-rounding conventions.
 
+$$
+s = \begin{cases} R_{32}(x_{32} + r_{32}) & \text{residual\_sum = fp32} \\
+R(x_{32} + r_{32}) & \text{residual\_sum = rounded} \end{cases}, \qquad
+y = \mathrm{rms\_norm}(s), \qquad \text{new\_residual} = R(s)
+$$
+
 The decoder layer adds the sublayer output `x` to the running residual `r`
 and normalises the sum. Upstream libraries disagree on *where the sum is
 rounded*, and that single rounding makes trainer and rollout logprobs differ.
@@ -23,6 +29,10 @@ the fp32 value of `s` (same tree, same `rstd`, same `offset` rule).
 | `"rounded"` | transformers `Qwen3NextDecoderLayer.forward` (`hidden_states = residual + hidden_states` in the model dtype); Liger `LigerFusedAddRMSNormFunction`; vLLM `GemmaRMSNorm` at older versions |
 
 For float32 inputs the two conventions coincide.
+
+Special values: those of [`rms_norm`][normspec.spec.rms_norm.rms_norm], on the sum `s`;
+`x + r` that overflows the input dtype is `±inf` in `new_residual` (and, under
+`"rounded"`, in what the norm reads), and `(+inf) + (-inf)` is NaN.
 
 Backward, given `dy` (gradient of `y`) and `dres` (gradient of
 `new_residual`):

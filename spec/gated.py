@@ -2,7 +2,13 @@ r"""Gated RMSNorm: the output norm of Qwen3-Next's Gated DeltaNet layers.
 
 Norm before gate, one row per value head (`head_v_dim = 128` in
 Qwen3-Next), weight initialised to ones:
-`y = norm(x) · w · act(z)`. The two upstream conventions round at different
+
+$$
+y = \hat x \cdot w \cdot \mathrm{act}(z), \qquad \hat x = x \cdot \mathrm{rstd}(x),
+\qquad \mathrm{act} \in \{\mathrm{silu}, \sigma\}
+$$
+
+with the roundings of the two conventions below. The two upstream conventions round at different
 points; the spec names them with `convention`.
 
 `"vllm"` (all fp32, one rounding at the end)
@@ -24,6 +30,12 @@ are exactly those of [`rms_norm`][normspec.spec.rms_norm.rms_norm].
 | `"hf"` | transformers `models/qwen3_next/modeling_qwen3_next.py` `Qwen3NextRMSNormGated.forward` (cast to the input dtype before the weight, `silu(gate.float())`, cast again) |
 
 For float32 inputs and weights the two conventions coincide.
+
+Special values: `xhat` and `rstd` are those of [`rms_norm`][normspec.spec.rms_norm.rms_norm]
+(NaN rows, infinite and overflowing rows, signed zeros); the gate's `act` follows its
+declared algorithm: `sigmoid(+inf) = 1`, `sigmoid(-inf) = +0`, `silu(+inf) = +inf`,
+`silu(-inf) = NaN` (`-inf · 0`), NaN in, NaN out; a zero gate gives `silu(±0) = ±0` and so
+a signed-zero output.
 
 Backward, with `dy32 = fp32(dy)`, `a = act(z32)`, `a' = act'(z32)`
 ([`silu_grad_fp32`][normspec.spec.arithmetic.silu_grad_fp32],

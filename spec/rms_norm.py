@@ -37,9 +37,19 @@ Backward (explicit, not autograd of the forward), with `dy32 = fp32(dy)`:
    the row tree (rows in flattened order, zero-padded to a power of two),
    then cast to the weight's dtype.
 
-Special values: a NaN anywhere in a row makes that row's `rstd` and outputs
-NaN; `±inf` in a row gives `ss = +inf`, `rstd = +0`, so `±inf · 0 = NaN` at
-the infinite element and `±0` (signed) elsewhere, as IEEE arithmetic says.
+Special values (IEEE arithmetic through the declared steps):
+
+- a NaN anywhere in a row makes that row's `rstd` and every output of the row NaN;
+- `±inf` in a row gives `ss = +inf` and `rstd = +0`: `±inf · 0 = NaN` at the infinite
+  element and a signed zero elsewhere;
+- finite values whose squares overflow fp32 (`|x| > 1.8e19`) do the same: `ss = +inf`,
+  `rstd = +0`, every output a signed zero;
+- `±0` inputs give signed-zero outputs; `-0.0` and `+0.0` are different bits, and a
+  conforming kernel must produce the spec's sign (a zero weight with `offset = 0` stays
+  `-0.0` or `+0.0` as given);
+- an all-zero row gives `rstd = 1 / sqrt(eps32)` and zero outputs;
+- `eps` must be finite and `> 0` *as fp32* (`1e-50` rounds to 0 and is refused, as is
+  `1e300`, which rounds to inf); `offset` must be finite as fp32.
 """
 
 from __future__ import annotations

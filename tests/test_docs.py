@@ -542,3 +542,13 @@ def test_each_page_kind_has_a_screenshot(kind, site, server, tmp_path):
     _chromium_run(f"{server}/{PAGE_KINDS[kind]}", f"--screenshot={png}",
                   tmp=tmp_path / "profile", size="1280,800")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_operator_pages_show_a_runnable_example_with_its_output(op):
+    md = pages.operator_page(op, [])
+    example = md[md.index("## Example"):]
+    printed = example.split("```text", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(printed) >= 2 and all("[" in line for line in printed)
+    if op != "rms_norm":  # the two conventions of the op give different bits here
+        assert printed[0].split(None, 1)[1] != printed[1].split(None, 1)[1]
