@@ -183,6 +183,9 @@ NS_HD long long next_pow2(long long n) {
   return p;
 }
 
+// Slots of the gate table (normspec_pipe.cuh), shared with the launch plan.
+constexpr int GATE_TABLE_SLOTS = 8192;
+
 // Operator codes shared by the launchers.
 // OP_FUSED_SUM is the fused op's backward given the sum s the norm read (the
 // forward's new residual where that is s: residual_sum "rounded", or fp32 rows):

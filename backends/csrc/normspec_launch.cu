@@ -99,56 +99,17 @@ bool chained_launches(cudaStream_t stream) {
   return status == cudaStreamCaptureStatusNone;
 }
 
-BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count) {
-  const Geometry g = backward_geometry(H, vec_of(dtype));
-  BackwardPlan plan;
-  if (g.np > 0) {
-    const int per_sm = 2048 / g.threads > 1 ? 2048 / g.threads : 1;
-    const long long target = static_cast<long long>(sm_count) * per_sm;
-    const long long prow = next_pow2(rows);
-    const int ml = max_group_log(g.np);
-    while (plan.glog < ml && (1LL << (plan.glog + 1)) <= prow) {
-      const long long R = 1LL << (plan.glog + 1);
-      if ((rows + R - 1) / R < target) break;
-      ++plan.glog;
-    }
-  }
-  const long long R = 1LL << plan.glog;
-  plan.groups = (rows + R - 1) / R;
-  return plan;
-}
-
 BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count) {
-  const int vec = vec_of(dtype);
   set_alignment(a, dtype == DT_F32 ? 4 : 2);
-  const PipeGeometry g = (a.flags & F_ALIGNED) ? pipe_geometry(a.H, vec, true) : PipeGeometry{};
-  if (g.np == 0) return backward_plan(dtype, a.rows, a.H, sm_count);
-  BackwardPlan plan;
-  plan.pipe = 1;
-  plan.team_log = g.team_log;
-  plan.np = g.np;
-  const int ml = pipe_max_glog(g, vec, device_smem_optin());
-  // the largest groups (least workspace traffic) that leave a group for at least half of
-  // the teams that fit on the device, and never past the spec's padded row count (a
-  // group's +0.0 rows beyond it would turn a column's -0.0 sum into +0.0)
-  const long long teams = static_cast<long long>(sm_count) * (2048 / g.block()) *
-                          g.teams_per_block();
-  const long long prow = next_pow2(a.rows);
-  while (plan.glog < ml && (1LL << (plan.glog + 1)) <= prow) {
-    const long long R = 1LL << (plan.glog + 1);
-    if (2 * ((a.rows + R - 1) / R) < teams) break;
-    ++plan.glog;
-  }
-  const long long R = 1LL << plan.glog;
-  plan.groups = (a.rows + R - 1) / R;
-  return plan;
+  return backward_plan_aligned(dtype, a.rows, a.H, (a.flags & F_ALIGNED) != 0, sm_count,
+                               device_smem_optin());
 }
 
 bool reads_weight_in_input_dtype(int op, int dtype, LaunchArgs a, const BackwardPlan* plan) {
   if (a.w_in_dtype == nullptr || dtype == DT_F32) return false;
   set_alignment(a, 2);
   if (plan != nullptr) return plan->pipe != 0 && (a.flags & F_ALIGNED);
-  return forward_kind(op, dtype == DT_BF16, a, vec_of(dtype)) != FWD_REGISTER;
+  return forward_kind(query_of(op, dtype, false, a)) != FWD_REGISTER;
 }
 
 bool writes_dweight_final(int dtype, int weight_dtype, const BackwardPlan& plan) {
@@ -187,7 +148,7 @@ cudaError_t launch_col_tree(const float* in, float* out, long long G, long long 
   int clog = 0;
   while ((1LL << clog) < C) ++clog;
   const long long gout = (G + C - 1) / C;
-  const dim3 grid(grid_for(H, 256), static_cast<unsigned>(gout < 65535 ? gout : 65535));
+  const dim3 grid(static_cast<unsigned>(grid_for(H, 256)), static_cast<unsigned>(gout < 65535 ? gout : 65535));
   return launch_chained(normspec_col_tree_kernel, grid, dim3(256), stream, in, out, G, H, clog);
 }
 
@@ -205,7 +166,7 @@ cudaError_t launch_col_tree_last(const float* in, void* out, int out_dtype, long
   if (G < 1 || G > kColTreeLastMax) return cudaErrorInvalidValue;
   const ColTreeLast t = col_tree_last_logs(G);
   const int clog1 = t.clog1, slog = t.slog;
-  const dim3 grid(grid_for(H, 16)), block(16, 16);
+  const dim3 grid(static_cast<unsigned>(grid_for(H, 16))), block(16, 16);
   switch (out_dtype) {
     case DT_F32:
       return launch_chained(normspec_col_tree_last_kernel<float>, grid, block, stream, in,

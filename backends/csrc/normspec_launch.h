@@ -5,9 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace normspec {
+#include "normspec_plan.h"
 
-enum Dtype : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+namespace normspec {
 
 // Row pointers and strides (in elements) of one call; nullptr where unused.
 //   forward:  x, r (residual / gate), w (fp32, H), y, y2 (new residual)
@@ -35,25 +35,11 @@ struct LaunchArgs {
   int flags = 0;  // normspec::Flags; F_ALIGNED is set by the launcher
 };
 
-// The backward's dweight plan: each team reduces groups of 2**glog rows and
-// writes `groups` fp32 rows of H to the workspace.
-// pipe = 1: the pipelined kernel (normspec_pipe.cuh) with teams of
-// 2**team_log threads and np passes; 0: the register / streaming kernels.
-struct BackwardPlan {
-  int glog = 0;
-  long long groups = 0;
-  int pipe = 0;
-  int team_log = 0;
-  int np = 0;
-};
-
 // Multiprocessors of the current device (cached per device; 132 if the query fails).
 int current_device_sms();
 
-// The plan of the register / streaming kernels (mirrored by the CuPy backend).
-BackwardPlan backward_plan(int dtype, long long rows, long long H, int sm_count);
-// The plan for this call: the pipelined kernel when every row is 16-byte
-// aligned and short enough, else backward_plan().
+// The dweight groups of this call (BackwardPlan, normspec_plan.h): the pipelined
+// kernels' when every row is 16-byte aligned and short enough, else backward_plan().
 BackwardPlan backward_plan_for(int dtype, LaunchArgs a, int sm_count);
 
 // Whether launch_forward (plan == nullptr) or launch_backward with `plan`

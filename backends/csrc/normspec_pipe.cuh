@@ -478,9 +478,8 @@ __device__ __forceinline__ void weight_of(const float4* __restrict__ wsm, int p,
 // lies in [2**-24, 2**8) (32 binades of 128 values, both signs: 8192 slots),
 // and evaluate the rest (zeros, tiny and huge values, inf, NaN) directly.
 // The table only saves re-evaluating the declared functions; the bits are
-// theirs by construction.
+// theirs by construction. GATE_TABLE_SLOTS: normspec_arith.h.
 constexpr int GATE_TABLE_E0 = 127 - 24;  // the lowest biased exponent in the table
-constexpr int GATE_TABLE_SLOTS = 8192;
 
 template <typename T>
 struct IsBf16 {

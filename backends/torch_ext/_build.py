@@ -56,7 +56,8 @@ LAUNCH_UNITS = tuple(
 CUDA_SOURCES = ("normspec_cuda.cpp", "normspec_launch.cu", *LAUNCH_UNITS)
 #: Files that every translation unit depends on (a change forces a rebuild).
 HEADERS = ("normspec_arith.h", "normspec_host.h", "normspec_kernels.cuh", "normspec_launch.h",
-           "normspec_launch_impl.cuh", "normspec_pipe.cuh", "normspec_gated_bwd.cuh")
+           "normspec_launch_impl.cuh", "normspec_pipe.cuh", "normspec_gated_bwd.cuh",
+           "normspec_plan.h")
 
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
 CUDA_CFLAGS = [

@@ -66,9 +66,9 @@ void print_geometry() {
       printf("W %lld %d %d %d %d\n", H, vec, bwd, g.team_log, g.np);
     }
     for (int two : {0, 1}) for (long long R : Rs) {
-      PipeGeometry r = row_geometry(H, vec, two, R);
+      PipeGeometry r = row_geometry(H, vec, two, R, device_sms());
       printf("R %lld %d %d %lld %d %d %d\n", H, vec, two, R, r.team_log, r.np,
-             r.np ? row_block(r, R) : 0);
+             r.np ? row_block(r, R, device_sms()) : 0);
     }
   }
   printf("S %d\n", device_sms());
