@@ -20,10 +20,12 @@ Environment overrides (used by the tests): ``NORMSPEC_DOCS_REPORTS`` (default
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -91,6 +93,25 @@ def _heatmaps(compare: list[Path]) -> dict[str, list[str]]:
     return by_op
 
 
+def _draw_heatmaps(matrices: list[Path]) -> list[Path]:
+    """The heatmap of each committed divergence matrix, drawn now (``write_heatmap``'s
+    scale and caption), into a scratch folder; a file that is not a matrix is an error
+    naming it."""
+    from normspec.divergence import KIND, write_heatmap
+
+    folder = Path(tempfile.mkdtemp(prefix="normspec-heatmaps-"))
+    drawn = []
+    for path in matrices:
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            raise PluginError(f"{path}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            raise PluginError(f"{path}: not a divergence matrix (kind {KIND!r})")
+        drawn.append(write_heatmap(data, folder / f"{path.stem}.png"))
+    return drawn
+
+
 def on_files(files: Files, config) -> Files:
     try:
         reports = conformance.load_reports(_reports_dir())
@@ -102,8 +123,8 @@ def on_files(files: Files, config) -> Files:
             train_rollout.TrainRolloutReportError) as exc:
         raise PluginError(str(exc)) from None
     compare_dir = _reports_dir() / "compare"
-    compare = sorted(p for p in compare_dir.glob("*") if p.suffix in (".png", ".json")) \
-        if compare_dir.is_dir() else []
+    matrices = sorted(compare_dir.glob("*.json")) if compare_dir.is_dir() else []
+    compare = sorted([*matrices, *_draw_heatmaps(matrices)], key=lambda p: p.name)
     log.info("normspec docs: %d conformance report(s), %d benchmark file(s), %d "
              "multi-process ranking(s), %d divergence file(s)", len(reports), len(results),
              len(repeats), len(compare))

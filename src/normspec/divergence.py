@@ -328,40 +328,62 @@ def format_matrix(result: Mapping[str, Any], tensor: str | None = None) -> str:
 
 
 def write_heatmap(result: Mapping[str, Any], path: str | Path) -> Path:
-    """Draw the % bitwise-equal matrices (one panel per output tensor) to a PNG."""
+    """Draw the % bitwise-equal matrices (one panel per output tensor) to a PNG.
+
+    The colour is the share of elements that *differ*, on a log scale from 0.00001 % to
+    100 %, so that 99.999 % and 100 % equal look different; exactly equal cells get the
+    lightest colour and the label "100". The caption names the run (device, date, the
+    libraries' versions). The background is transparent and the text grey, for light and
+    dark pages alike."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
+    ink = "#808080"
     labels = result["labels"]
     tensors = list(result["matrices"])
     n = max(len(labels), 1)
     size = 1.6 + 0.75 * n
-    fig, axes = plt.subplots(1, len(tensors), figsize=(size * len(tensors) + 1.5, size + 1.2),
+    fig, axes = plt.subplots(1, len(tensors), figsize=(size * len(tensors) + 1.5, size + 1.6),
                              squeeze=False)
+    floor = 1e-5
+    norm = LogNorm(vmin=floor, vmax=100.0)
     image = None
     for k, (ax, t) in enumerate(zip(axes[0], tensors, strict=True)):
         data = [[float("nan") if v is None else v for v in row]
                 for row in result["matrices"][t]["equal_percent"]]
-        image = ax.imshow(data or [[float("nan")]], vmin=0.0, vmax=100.0, cmap="viridis")
-        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-        ax.set_yticks(range(len(labels)), labels if k == 0 else [], fontsize=8)
+        differ = [[max(100.0 - v, floor) if not math.isnan(v) else float("nan") for v in row]
+                  for row in data]
+        image = ax.imshow(differ or [[float("nan")]], norm=norm, cmap="viridis_r")
+        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8,
+                      color=ink)
+        ax.set_yticks(range(len(labels)), labels if k == 0 else [], fontsize=8, color=ink)
         for i, row in enumerate(data):
             for j, v in enumerate(row):
                 if not math.isnan(v):
-                    ax.text(j, i, _pct(v),
-                            ha="center", va="center", fontsize=7,
-                            color="black" if v > 60 else "white")
-        ax.set_title(f"{t}", fontsize=9)
-    fig.suptitle(f"{result['op']} · {result['profile']} · {variant_name(result['params'])}\n"
-                 f"% elements bitwise equal ({len(result['seeds'])} seeds, "
-                 f"{len(result['shapes'])} shapes)", fontsize=10)
+                    light = norm(max(100.0 - v, floor)) < 0.6  # viridis_r: light at the low end
+                    ax.text(j, i, _pct(v), ha="center", va="center", fontsize=7,
+                            color="black" if light else "white")
+        ax.set_title(f"{t}", fontsize=9, color=ink)
+    env = result.get("environment") or {}
+    versions = ", ".join(f"{b} {v}" for b, v in sorted((env.get("backends") or {}).items())
+                         if v and b in labels)
+    run = ", ".join(str(x) for x in (env.get("device_name") or env.get("device"),
+                                     str(env.get("date", ""))[:10]) if x)
+    fig.suptitle(f"{result['op']} · {result['profile']} · {variant_name(result['params'])}: "
+                 f"% of elements bitwise equal ({len(result['seeds'])} seeds, "
+                 f"{len(result['shapes'])} shapes)\n{run}" + (f"; {versions}" if versions
+                                                             else ""),
+                 fontsize=9, color=ink)
     if image is not None:
-        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="% bitwise equal")
+        bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
+        bar.set_label("% of elements that differ (log scale)", color=ink)
+        bar.ax.tick_params(colors=ink)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=120, bbox_inches="tight", transparent=True)
     plt.close(fig)
     return path
 
