@@ -159,6 +159,13 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
                          f"{_forward_distance(result)}"
                          + (f" · {_cell(version)}" if version else ""))
         lines.append(f"| `{_cell(name)}` | {variants} | " + " | ".join(cells) + " |")
+    failing = sorted({(name, str(res.get("source", ""))) for r in mine.values()
+                      for name, res in r.data["results"].items()
+                      if name in results and "fails" in _levels(res)})
+    unimplemented = {name for r in mine.values() for name, res in r.data["results"].items()
+                     if "not implemented" in str(res.get("unavailable") or "")}
+    never = sorted({name for r in mine.values() for name in r.data["results"]}
+                   - results - unimplemented)
     runs = []
     for profile, title in ANSWER_PROFILES:
         report = mine.get(profile)
@@ -170,7 +177,11 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
               "[Conformance](#conformance)); % equal and max rel: the forward's least "
               "fraction of bitwise-equal elements and largest relative difference; then the "
               "library version.", ""]
-    return "\n".join(lines)
+    lines += [f"- `{_cell(name)}` fails: it ran {_cell(source)}." for name, source in failing]
+    if never:
+        lines.append("- Not measured anywhere yet: " + ", ".join(f"`{n}`" for n in never)
+                     + " (why, per profile, under [Conformance](#conformance)).")
+    return "\n".join(lines) + "\n"
 
 
 def _unavailable_summary(report: Report) -> list[str]:
@@ -227,7 +238,9 @@ def render_conformance(
                 f"| {_cell(libs.get(backend) or '—')} | {_cell(_device(env))} "
                 f"| {_cell(_versions(env))} | {date} | {_commit(env)} |"
             )
-    lines += ["", "</div>", ""]
+    lines += ["", "</div>", "",
+              "A large ulp count beside *accurate* comes from elements near zero, where one "
+              "ulp is tiny; the tolerance judges the absolute and relative difference.", ""]
     absent = [f"`{profile}`: " + "; ".join(summary) for profile, report in mine.items()
               if (summary := _unavailable_summary(report))]
     if absent:
