@@ -6,7 +6,7 @@
 # fla-core, liger-kernel and megatron-core (on an offline machine: carry their wheels and
 # install them first; scripts/flashinfer_offline.sh does the same for FlashInfer).
 #
-#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [compare] [racecheck]
+#   scripts/gpu_evidence.sh [tests] [conformance] [bench] [compare] [integration] [racecheck]
 #
 # Default: tests conformance bench compare. Each stage has a time limit (BUILD_LIMIT,
 # TESTS_LIMIT, CONF_LIMIT, BENCH_LIMIT, SANITIZER_LIMIT) so that a slow stage cannot eat
@@ -61,7 +61,13 @@ for s in $stages; do
       done ;;
     bench)
       run ${BENCH_LIMIT:-400} bench python3 -m nox -s bench -- --quick ;;
-    *) echo "unknown stage '$s' (expected tests, conformance, bench, compare or racecheck)" \
+    integration)  # the transformers model patched with our norms against unpatched, and
+      # the patched model's gradients against the spec (train = rollout on the GPU)
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' /' '__')
+      run ${INTEGRATION_LIMIT:-300} integration python3 bench/integration.py \
+        --out "bench/results/integration_${gpu}.json" ;;
+    *) echo "unknown stage '$s' (expected tests, conformance, bench, compare, integration or" \
+         "racecheck)" \
          | tee -a "$OUT/summary.log" ;;
   esac
 done

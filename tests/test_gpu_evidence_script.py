@@ -37,7 +37,7 @@ def run_stage(tmp_path):
     stubs.mkdir()
     for name in ("nvidia-smi", "normspec", "python3", "compute-sanitizer"):
         path = stubs / name
-        path.write_text(STUB)
+        path.write_text(STUB + ('echo "NVIDIA H200"\n' if name == "nvidia-smi" else ""))
         path.chmod(0o755)
     log = tmp_path / "stub.log"
     log.touch()
@@ -97,3 +97,9 @@ def test_racecheck_runs_both_sanitizer_tools_on_our_kernels(run_stage):
 def test_an_unknown_stage_is_named_in_the_summary(run_stage):
     _, summary = run_stage("ncu")
     assert "unknown stage 'ncu'" in summary
+
+
+def test_integration_times_the_patched_model_into_a_result_per_gpu(run_stage):
+    lines, _ = run_stage("integration")
+    (line,) = [ln for ln in lines if "bench/integration.py" in ln]
+    assert line.endswith("--out bench/results/integration_NVIDIA_H200.json"), line
