@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from docs_gen import train_rollout
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # docs_gen is a folder of the repository, not a package
+
+from docs_gen import train_rollout  # noqa: E402
+
 REPORTS = ROOT / "reports"
 
 
