@@ -307,7 +307,8 @@ def server(site):
 @needs_mkdocs
 def test_strict_build_has_every_page(site):
     for rel in ("index.html", "arithmetic/index.html", "backends/index.html",
-                "backends/writing-a-backend/index.html", "benchmarks/index.html",
+                "backends/writing-a-backend/index.html", "backends/gpu-providers/index.html",
+                "benchmarks/index.html",
                 "design/kernels/index.html", "conformance/index.html", "reference/cli/index.html",
                 "train-rollout/index.html", "assets/train_rollout/logprob_delta.png",
                 "reference/integrations/index.html",
