@@ -36,6 +36,7 @@ small-batch verdicts come from these files, not from one process.
 from __future__ import annotations
 
 import functools
+import html
 import importlib.util
 import io
 import json
@@ -146,11 +147,11 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
     for res in repeats:
         env = res.environment
         lines += [f"### {res.stem}", "", f"From `bench/results/repeat/{res.path.name}`"
-                  + "".join(f"; {k}: `{_cell(v)}`" for k, v in _flatten(env)
+                  + "".join(f"; {k}: {_code(v)}" for k, v in _flatten(env)
                             if k in ("processes", "git.commit", "date", "device_name"))
                   + ".", ""]
         if env.get("command"):
-            lines += [f"Command: `{_cell(env['command'])}`", ""]
+            lines += [f"Command: {_code(env['command'])}", ""]
         if env.get("device_timing"):
             lines += [_timing_protocol(env["device_timing"]), ""]
         lines += ["| case | shape | direction | ours | µs [range] | fastest peer "
@@ -165,9 +166,9 @@ def repeats_section(repeats: Sequence[BenchResult]) -> list[str]:
                           f"[{e['peer_range'][0]:.2f}–{e['peer_range'][1]:.2f}]")
                 verdict = ("met" if e["met"] else "**missed**") + (
                     " (ranges overlap)" if e["overlap"] else "")
-                peer = f"`{_cell(e['peer'])}`"
-            lines.append(f"| `{_cell(e['name'])}` | {_shape(e['shape'])} | {e['direction']} "
-                         f"| `{_cell(e['backend'])}` | {mine} | {peer} | {theirs} | {verdict} |")
+                peer = f"{_code(e['peer'])}"
+            lines.append(f"| {_code(e['name'])} | {_shape(e['shape'])} | {e['direction']} "
+                         f"| {_code(e['backend'])} | {mine} | {peer} | {theirs} | {verdict} |")
         lines.append("")
     return lines
 
@@ -194,7 +195,14 @@ def _num(value: Any, fmt: str) -> str:
 
 
 def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text from a results file, safe anywhere in the page (HTML-escaped, no pipe, no line
+    break)."""
+    return html.escape(str(text)).replace("|", "&#124;").replace("\n", " ")
+
+
+def _code(text: object) -> str:
+    """Text from a results file as inline code."""
+    return f"<code>{_cell(text)}</code>"
 
 
 def plot_png(rows: Sequence[Mapping[str, Any]], title: str,
@@ -280,8 +288,8 @@ def against_fastest_peer(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         for r in group:
             if _is_ours(str(r["backend"])):
                 change = r[key] / best[key] - 1.0
-                table.append(f"| `{_cell(name)}` | {shape} | {direction} | `{_cell(r['backend'])}` "
-                             f"| {r[key]:.2f} | `{_cell(best['backend'])}` | {best[key]:.2f} "
+                table.append(f"| {_code(name)} | {shape} | {direction} | {_code(r['backend'])} "
+                             f"| {r[key]:.2f} | {_code(best['backend'])} | {best[key]:.2f} "
                              f"| {change:+.1%} |")
     if not table:
         return []
@@ -377,7 +385,7 @@ def benchmarks_page(
                     cells = (f"| {_num(r.get('us'), '.2f')} | {_num(r.get('tbps'), '.3f')} "
                              f"| {_num(r.get('copy_fraction'), '.2f')} |")
                 lines.append(
-                    f"| `{_cell(r['name'])}` | {_shape(r.get('shape'))} | `{_cell(r['backend'])}` "
+                    f"| {_code(r['name'])} | {_shape(r.get('shape'))} | {_code(r['backend'])} "
                     + cells + (f" {_num(r.get('spread'), '.0%')} |" if spread else ""))
             lines.append("")
             small = [r for r in rows if _is_small(r)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -65,8 +66,15 @@ def load_reports(directory: Path) -> list[Report]:
 
 
 def _cell(text: object) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text from a report, safe anywhere in the page: HTML-escaped (a report can carry any
+    string), with no pipe to split a table cell and no line break."""
+    return html.escape(str(text)).replace("|", "&#124;").replace("\n", " ")
+
+
+def _code(text: object) -> str:
+    """Text from a report as inline code (``<code>``: a Markdown code span would show the
+    escapes literally)."""
+    return f"<code>{_cell(text)}</code>"
 
 
 def level_badge(level: str) -> str:
@@ -152,13 +160,13 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
             version = (report.env.get("backends") or {}).get(name)
             skipped = set(result.get("skipped_variants") or {})
             variants = ("all" if not skipped else
-                        ", ".join(f"`{v}`" for v in report.data["checks"]["variants"]
+                        ", ".join(_code(v) for v in report.data["checks"]["variants"]
                                   if v not in skipped))
             fwd, grad = _levels(result)
             cells.append(f"{level_badge(fwd)} / {level_badge(grad)}<br>"
                          f"{_forward_distance(result)}"
                          + (f" · {_cell(version)}" if version else ""))
-        lines.append(f"| `{_cell(name)}` | {variants} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_code(name)} | {variants} | " + " | ".join(cells) + " |")
     failing = sorted({(name, str(res.get("source", ""))) for r in mine.values()
                       for name, res in r.data["results"].items()
                       if name in results and "fails" in _levels(res)})
@@ -177,7 +185,7 @@ def answer_table(op: str, reports: Sequence[Report]) -> str:
               "[Conformance](#conformance)); % equal and max rel: the forward's least "
               "fraction of bitwise-equal elements and largest relative difference; then the "
               "library version.", ""]
-    lines += [f"- `{_cell(name)}` fails: it ran {_cell(source)}." for name, source in failing]
+    lines += [f"- {_code(name)} fails: it ran {_cell(source)}." for name, source in failing]
     if never:
         lines.append("- Not measured anywhere yet: " + ", ".join(f"`{n}`" for n in never)
                      + " (why, per profile, under [Conformance](#conformance)).")
@@ -195,7 +203,7 @@ def _unavailable_summary(report: Report) -> list[str]:
                 else "not installed" if "not installed" in reason
                 else "needs a CUDA GPU" if "CUDA" in reason or "cuda" in reason
                 else "other")
-        groups.setdefault(kind, []).append(f"`{_cell(name)}`")
+        groups.setdefault(kind, []).append(f"{_code(name)}")
     return [f"{kind}: {', '.join(names)}" for kind, names in groups.items()]
 
 
@@ -233,7 +241,7 @@ def render_conformance(
             ulp = (f"{_max_ulp(result, 'forward')} / {_max_ulp(result, 'gradient')}"
                    if "contract_gates" in result else "—")
             lines.append(
-                f"| `{_cell(backend)}` | `{profile}` | {level_badge(fwd)} | {level_badge(grad)} "
+                f"| {_code(backend)} | `{profile}` | {level_badge(fwd)} | {level_badge(grad)} "
                 f"| {ulp} | {_cell(result.get('backward', '?'))} "
                 f"| {_cell(libs.get(backend) or '—')} | {_cell(_device(env))} "
                 f"| {_cell(_versions(env))} | {date} | {_commit(env)} |"
@@ -262,7 +270,7 @@ def render_conformance(
         for profile, report in mine.items():
             env = report.env
             lines.append(
-                f"| `{profile}` | `{_cell(report.data.get('command', '?'))}` "
+                f"| `{profile}` | {_code(report.data.get('command', '?'))} "
                 f"| {'yes' if report.data.get('quick') else 'no'} "
                 f"| {_cell(env.get('platform', '?'))} | {_cell(env.get('python', '?'))} "
                 f"| {_cell(env.get('normspec', '?'))} "
@@ -282,11 +290,13 @@ def _details(mine: Mapping[str, Report]) -> list[str]:
             if not _ran(result):
                 continue
             for variant, why in sorted((result.get("skipped_variants") or {}).items()):
-                notes.append(f"skipped `{variant}`: {why}")
+                notes.append(f"skipped {_code(variant)}: {_cell(why)}")
             gate_lines: list[str] = []
             for gate, g in (result.get("contract_gates") or {}).items():
                 failed = g.get("failed_lines") or []
-                gate_lines += [f"{gate}: {line}" for line in failed[:MAX_LINES]]
+                # inside a fenced block: a line may not close the fence
+                gate_lines += [f"{gate}: {str(line).replace('`', chr(39))}"
+                               for line in failed[:MAX_LINES]]
                 if len(failed) > MAX_LINES:
                     gate_lines.append(f"{gate}: … {len(failed) - MAX_LINES} more in the JSON")
             if not notes and not gate_lines:
@@ -295,7 +305,7 @@ def _details(mine: Mapping[str, Report]) -> list[str]:
                 "warning" if gate_lines else "info")
             title = f"{backend} on {profile}: forward {fwd}, gradient {grad}"
             out += [f'??? {kind} "{_cell(title)}"', ""]
-            out += [f"    - {_cell(n)}" for n in notes]
+            out += [f"    - {n}" for n in notes]  # escaped when made
             if gate_lines:
                 out += ["", "    ```text"] + [f"    {line}" for line in gate_lines] + ["    ```"]
             out.append("")
@@ -351,7 +361,7 @@ def render_overview(reports: Sequence[Report], ops: Iterable[str]) -> str:
                 parts.append(f"{title.split(',')[0]}: {level_badge(fwd)} / {level_badge(grad)}"
                              f" {equal}")
             cells.append("<br>".join(parts) or "—")
-        lines.append(f"| `{_cell(b)}` | {_conventions(ran, checks)} | " + " | ".join(cells)
+        lines.append(f"| {_code(b)} | {_conventions(ran, checks)} | " + " | ".join(cells)
                      + " |")
     lines += ["", "</div>", "",
               "GPU: `cuda_bf16`; CPU: `cpu_bf16`; the fp16 and fp32 profiles are on each "

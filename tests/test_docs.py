@@ -118,8 +118,9 @@ def test_conformance_table_from_reports(tmp_path):
     assert [(r.op, r.profile) for r in reports] == [("rms_norm", "cpu_bf16")]
     md = conformance.render_conformance("rms_norm", reports)
     assert 'class="ns-conformance"' in md
-    rows = [line for line in md.splitlines() if line.startswith("| `")]
-    assert any("`lib`" in r and "ns-fails" in r and "9.9" in r and "3 / —" in r for r in rows)
+    rows = [line for line in md.splitlines() if line.startswith("| <code>")]
+    assert any("<code>lib</code>" in r and "ns-fails" in r and "9.9" in r and "3 / —" in r
+               for r in rows)
     commit = data["environment"]["git"]["commit"]
     if commit:
         assert commit[:10] in md
@@ -129,7 +130,7 @@ def test_conformance_table_from_reports(tmp_path):
             assert f"| — | `{profile}` |" in md  # a row saying no report is committed
     assert "No report committed" in md
     assert "forward case=x tensor=y passed=False" in md  # failing lines are shown
-    assert "skipped `offset=0.0`" in md
+    assert "skipped <code>offset=0.0</code>" in md
     overview = conformance.render_overview(reports, OPS)
     assert "ns-fails" in overview and "(operators/rms_norm.md)" in overview
     assert "CPU: " in overview and "50.00 % equal" in overview
@@ -163,7 +164,8 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
     (tmp_path / "h200.json").write_text(json.dumps({"environment": {"gpu": "H200"},
                                                      "rows": rows}))
     md, files = bench.benchmarks_page(bench.load_results(tmp_path))
-    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 |" in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>torch_ext</code>"
+            " | 11.00 | 3.000 | 0.80 |") in md
     assert "## Summary" not in md  # no backend here is normspec's
     assert set(files) == {"assets/bench/h200-forward-large.png",
                           "assets/bench/h200-backward-large.png"}
@@ -173,17 +175,22 @@ def test_benchmarks_page_without_and_with_results(tmp_path):
     (tmp_path / "h200.json").write_text(json.dumps({"environment": {}, "rows": rows}))
     md, _ = bench.benchmarks_page(bench.load_results(tmp_path))
     assert "| copy fraction | spread |" in md
-    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
-    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | 3.000 | 0.80 | — |" in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>reference</code>"
+            " | 10.00 | 3.000 | 0.80 | 15% |") in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>torch_ext</code>"
+            " | 11.00 | 3.000 | 0.80 | — |") in md
     # rows with the device timing: call, device and host times, bandwidth from the device
     rows[1].update(device_us=8.0, host_us=120.0, device_tbps=4.0, device_copy_fraction=0.95)
     (tmp_path / "h200.json").write_text(json.dumps({"environment": {}, "rows": rows}))
     md, files = bench.benchmarks_page(bench.load_results(tmp_path))
     # (rows[1] is the reference's backward; the forward table keeps its layout)
     assert "| call µs | device µs | host µs | TB/s | copy fraction |" in md
-    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 8.00 | 120 | 4.000 | 0.95 |" in md
-    assert "| `rms_norm` | 4096×2048 | `torch_ext` | 11.00 | — | — | — | — |" in md
-    assert "| `rms_norm` | 4096×2048 | `reference` | 10.00 | 3.000 | 0.80 | 15% |" in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>reference</code>"
+            " | 10.00 | 8.00 | 120 | 4.000 | 0.95 |") in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>torch_ext</code>"
+            " | 11.00 | — | — | — | — |") in md
+    assert ("| <code>rms_norm</code> | 4096×2048 | <code>reference</code>"
+            " | 10.00 | 3.000 | 0.80 | 15% |") in md
 
 
 def test_ours_against_the_fastest_peer():
@@ -203,16 +210,18 @@ def test_ours_against_the_fastest_peer():
             row("fla", "forward", 30.0, 30.0, shape=(4096, 2048))]  # no ours: no line
     lines = bench.against_fastest_peer(rows)
     assert lines[0].startswith("| case | shape | direction | ours | device µs |")
-    assert lines[2] == ("| `rms_norm` | 64×2048 | forward | `normspec torch_ext` | 3.60 "
-                        "| `torch.compile (transformers)` | 4.00 | -10.0% |")
-    assert lines[3] == ("| `rms_norm` | 64×2048 | forward | `normspec cupy` | 5.00 "
-                        "| `torch.compile (transformers)` | 4.00 | +25.0% |")
+    assert lines[2] == ("| <code>rms_norm</code> | 64×2048 | forward "
+                        "| <code>normspec torch_ext</code> | 3.60 "
+                        "| <code>torch.compile (transformers)</code> | 4.00 | -10.0% |")
+    assert lines[3] == ("| <code>rms_norm</code> | 64×2048 | forward "
+                        "| <code>normspec cupy</code> | 5.00 "
+                        "| <code>torch.compile (transformers)</code> | 4.00 | +25.0% |")
     assert lines[4] == ""
     # without a device time on every row, the call times decide (liger is then fastest)
     del rows[0]["device_us"]
     lines = bench.against_fastest_peer(rows)
     assert "| µs | fastest peer | µs |" in lines[0]
-    assert lines[2].endswith("| `liger` | 4.00 | +50.0% |")
+    assert lines[2].endswith("| <code>liger</code> | 4.00 | +50.0% |")
     assert bench.against_fastest_peer([row("liger", "forward", 4.0)]) == []
 
 
@@ -235,17 +244,19 @@ def test_benchmarks_page_ranks_multi_process_files(tmp_path):
     repeats = bench.load_repeats(tmp_path)
     md = "\n".join(bench.repeats_section(repeats))
     assert "## Rankings over several processes" in md
-    assert "processes: `3`; git.commit: `abc1234`" in md
-    assert "Command: `bench/repeat.py x\\|y`" in md
+    assert "processes: <code>3</code>; git.commit: <code>abc1234</code>" in md
+    assert "Command: <code>bench/repeat.py x&#124;y</code>" in md
     assert ("Before each timed call: an L2 flush of 1 MiB, then 1 no-op kernel(s), then a "
             "2 ms sleep kernel that hides the host.") in md
     assert bench._timing_protocol({"flush_mib": 256, "hide_host_ms": 2.0}) == (
         "Before each timed call: an L2 flush of 256 MiB, then a 2 ms sleep kernel that hides "
         "the host.")
-    assert ("| `rms_norm` | 1×2048 | backward | `normspec torch_ext` | 4.45 [4.42–4.50] "
-            "| `torch.compile (transformers)` | 4.35 [4.27–4.38] | **missed** |") in md
-    assert ("| `rms_norm` | 1×2048 | forward | `normspec torch_ext` | 4.35 [4.35–4.50] "
-            "| `liger` | 4.45 [4.42–4.45] | met (ranges overlap) |") in md
+    assert ("| <code>rms_norm</code> | 1×2048 | backward"
+            " | <code>normspec torch_ext</code> | 4.45 [4.42–4.50] "
+            "| <code>torch.compile (transformers)</code> | 4.35 [4.27–4.38] | **missed** |") in md
+    assert ("| <code>rms_norm</code> | 1×2048 | forward"
+            " | <code>normspec torch_ext</code> | 4.35 [4.35–4.50] "
+            "| <code>liger</code> | 4.45 [4.42–4.45] | met (ranges overlap) |") in md
     page, _ = bench.benchmarks_page([], repeats=repeats)
     assert md in page
     assert bench.repeats_section([]) == [] and bench.load_repeats(tmp_path / "none") == []
@@ -446,8 +457,8 @@ def test_operator_pages_lead_with_the_answer_table(tmp_path):
     answer = md.index('<div class="ns-answer"')
     assert answer < md.index("## Specification")
     table = md[answer:md.index("</div>", answer)]
-    assert "| `torch_ext` | all |" in table and "100 % equal, max rel 0" in table
-    assert "| `vllm` | `offset=1.0` | not measured on a GPU |" in table
+    assert "| <code>torch_ext</code> | all |" in table and "100 % equal, max rel 0" in table
+    assert "| <code>vllm</code> | <code>offset=1.0</code> | not measured on a GPU |" in table
     # backends that ran nowhere are not rows of it
     assert "`transformer_engine`" not in table
 
@@ -553,3 +564,25 @@ def test_operator_pages_show_a_runnable_example_with_its_output(op):
     assert len(printed) >= 2 and all("[" in line for line in printed)
     if op != "rms_norm":  # the two conventions of the op give different bits here
         assert printed[0].split(None, 1)[1] != printed[1].split(None, 1)[1]
+
+
+def test_report_strings_are_escaped_wherever_they_are_rendered(tmp_path):
+    """A report may carry any string (a plugin names itself, its source and its failures):
+    the pages show it as text, never as HTML, and a pipe never splits a table cell."""
+    evil = "<script>alert(1)</script>|x"
+    result = _result("fails", "fails", [f"forward case=x tensor=y {evil} ```"])
+    result["source"] = evil
+    data = _report("rms_norm", "cuda_bf16", {"reference": _result("exact", "exact"),
+                                             "evil": result})
+    data["environment"]["backends"]["evil"] = evil
+    path = tmp_path / "cuda_bf16" / "rms_norm.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    reports = conformance.load_reports(tmp_path)
+    md = pages.operator_page("rms_norm", reports) + pages.conformance_page(reports)
+    # fenced blocks show their text as text; a failed line cannot close its fence
+    outside = re.sub(r"```text\n.*?```", "", md, flags=re.S)
+    assert "<script>" not in outside and "&lt;script&gt;" in outside
+    assert "alert(1)</script>|x" not in outside
+    fenced = re.findall(r"```text\n(.*?)```", md, flags=re.S)
+    assert any("tensor=y <script>alert(1)</script>|x '''" in block for block in fenced)
