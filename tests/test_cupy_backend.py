@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -36,6 +37,14 @@ from normspec.backends import cupy as cb  # noqa: E402
 from normspec.backends.cupy.codes import (  # noqa: E402
     DT_BF16,
     OP_RMS,
+)
+from normspec.backends.cupy.planner import (  # noqa: E402
+    K_BWD_PAIR,
+    K_BWD_PIPE,
+    K_BWD_ROW,
+    K_FWD_PIPE,
+    K_FWD_QUAD,
+    K_FWD_ROW,
 )
 
 EPS = 1e-6
@@ -220,16 +229,32 @@ def test_large_shapes(op, params, shape, ext):
     check_cupy(op, params, shape, torch.float16, torch.float16, 2)
 
 
-def record_calls(monkeypatch, name: str) -> list:
-    """Wraps the backend's launch planner ``name``; returns the list of its answers."""
-    picked = []
-    real = getattr(cb.plans, name)
+class Picked(NamedTuple):
+    """A launch plan the backend asked for, with its kernel's name expression."""
 
-    def spy(*args, **kwargs):
-        picked.append(real(*args, **kwargs))
-        return picked[-1]
+    name: str
+    plan: Any
 
-    monkeypatch.setattr(cb.plans, name, spy)
+    @property
+    def kind(self) -> str:
+        """``"row"``, ``"pair"`` or ``"pipe"``: which backward kernel of the pipelined family."""
+        return {K_BWD_ROW: "row", K_BWD_PAIR: "pair"}.get(self.plan.kernel, "pipe")
+
+
+def record_plans(monkeypatch, *kernels: int, gt: bool | None = None) -> list[Picked]:
+    """Wraps the backend's launch plan; returns the plans it gave of the kernel families
+    ``kernels`` (with ``gt``, only the one-row forwards that do or do not read the global
+    gate table)."""
+    picked: list[Picked] = []
+    real = cb.plans.launch_plan
+
+    def spy(q):
+        p = real(q)
+        if p.kernel in kernels and (gt is None or bool(p.gt_form) == gt):
+            picked.append(Picked(cb.launches.kernel_name(q.op, q.dtype, p), p))
+        return p
+
+    monkeypatch.setattr(cb.plans, "launch_plan", spy)
     return picked
 
 
@@ -238,18 +263,18 @@ def test_aligned_rows_pick_the_forward_kernel(monkeypatch, ext):
     extension), large gated ones the persistent forward with its gate table: the spec's
     bits, at few rows (wider teams), at full launches (the constant forms) and on ragged
     rows; both weights' dtypes."""
-    picked = record_calls(monkeypatch, "row_forward_launch")
-    persistent = record_calls(monkeypatch, "pipe_forward_launch")
+    picked = record_plans(monkeypatch, K_FWD_ROW, gt=False)
+    persistent = record_plans(monkeypatch, K_FWD_PIPE)
     for seed, shape in enumerate([(1, 2048), (64, 2048), (4096, 2048), (20000, 256),
                                   (333, 1003), (7, 8)]):
         for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
             wdtype = (torch.float32, torch.bfloat16)[seed % 2]
             check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
-    assert picked and all(p is not None for p in picked)
+    assert picked
     # the persistent forward for the large gated launches alone (the gate table)
-    assert persistent and all(p.table for p in persistent)
-    assert any(p[0].endswith(", -1>") for p in picked)  # the general form
-    assert any(not p[0].endswith(", -1>") for p in picked)  # the constant forms
+    assert persistent and all(p.plan.table for p in persistent)
+    assert any(p.name.endswith(", -1>") for p in picked)  # the general form
+    assert any(not p.name.endswith(", -1>") for p in picked)  # the constant forms
 
 
 def test_aligned_rows_pick_the_pipelined_backward(monkeypatch, ext):
@@ -258,20 +283,20 @@ def test_aligned_rows_pick_the_pipelined_backward(monkeypatch, ext):
     extension's) for one-pass and two-pass teams, the constant forms, ragged rows, groups
     that outnumber the resident teams, and a bf16 gated launch large enough for the gate
     table (which needs the shared-memory opt-in)."""
-    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    picked = record_plans(monkeypatch, K_BWD_ROW, K_BWD_PIPE, K_BWD_PAIR)
     for seed, shape in enumerate([(1, 2048), (4096, 2048), (20000, 256), (333, 1003),
                                   (7, 8)]):
         for op, params in (VARIANTS[1], VARIANTS[4], VARIANTS[9]):
             check_torch(op, params, shape, torch.bfloat16, torch.float32, seed, ext=ext)
     for op, params in (VARIANTS[7], VARIANTS[10]):  # 2**20 elements: the gate table
         check_torch(op, params, (8192, 128), torch.bfloat16, torch.bfloat16, 11, ext=ext)
-    assert picked and all(p is not None for p in picked)
+    assert picked
     pipes = [p for p in picked if p.kind == "pipe"]  # (the others: one-row, pair)
     assert any(p.name.split(", ")[3] == "-1" for p in pipes)  # the general form
     assert any(p.name.split(", ")[3] != "-1" for p in pipes)  # the constant forms
     assert {p.kind for p in picked} == {"pipe", "row", "pair"}
-    assert any(p[3] for p in picked)  # the gate table
-    assert any(p[4][1] + 2048 > 48 * 1024 for p in picked)  # the opt-in
+    assert any(p.plan.table for p in picked)  # the gate table
+    assert any(p.plan.smem + 2048 > 48 * 1024 for p in picked)  # the opt-in
 
 
 
@@ -285,7 +310,7 @@ def test_gated_backward_with_the_saved_rstd(op, params, monkeypatch, ext):
     recomputes rstd (the run-time form). Every one gives the spec's bits (and the
     extension's), bf16 and fp32 weights, and the hf convention's packed-weight form
     (GC 7)."""
-    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    picked = record_plans(monkeypatch, K_BWD_ROW, K_BWD_PIPE, K_BWD_PAIR)
     for seed, (shape, wdtype) in enumerate([((2**16, 128), torch.bfloat16),
                                             ((2**16, 128), torch.float32),
                                             ((8192, 256), torch.bfloat16)]):
@@ -302,7 +327,7 @@ def test_one_row_backward_and_dweight_stored_by_its_kernel(monkeypatch, ext):
     """Few rows of the rms norm run the one-row backward (256 x 1 for 2048 elements of 16
     bits), with and without the saved rstd; one dweight group of a weight of the input
     dtype is stored by the kernel itself (F_DW_FINAL): the spec's bits."""
-    picked = record_calls(monkeypatch, "pipe_backward_launch")
+    picked = record_plans(monkeypatch, K_BWD_ROW, K_BWD_PIPE, K_BWD_PAIR)
     for seed, shape in enumerate([(1, 2048), (64, 2048), (1, 256), (7, 128), (1, 1024)]):
         for dtype, wdtype in DTYPE_PAIRS:
             for op, params in (VARIANTS[1], VARIANTS[4]):
@@ -316,10 +341,10 @@ def test_one_row_backward_and_dweight_stored_by_its_kernel(monkeypatch, ext):
 
 def test_quad_forward_for_few_rows_of_256_and_128(monkeypatch, ext):
     """Few rows of 256 or 128 16-bit values with a weight of their dtype run the forward in
-    vectors of four (``quad_forward_launch``) as in the torch extension, up to SMs x 128
+    vectors of four (``K_FWD_QUAD``) as in the torch extension, up to SMs x 128
     lanes; past that, and with an fp32 weight, the warp teams: the spec's bits either way,
     padded rows and the backward included."""
-    picked = record_calls(monkeypatch, "quad_forward_launch")
+    picked = record_plans(monkeypatch, K_FWD_QUAD)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for seed, hidden in enumerate((128, 256)):
         bound = sms * 128 // (64 if hidden == 256 else 32)
@@ -330,14 +355,14 @@ def test_quad_forward_for_few_rows_of_256_and_128(monkeypatch, ext):
                     layouts = {"x": "row_stride"} if rows == 3 else None
                     check_torch(op, params, (rows, hidden), dtype, wdtype, seed, ext=ext,
                                 layouts=layouts)
-    quads = {p for p in picked if p is not None}
-    assert {p[0] for p in quads} == {f"normspec_fwd_quad_kernel<{op}, {t}, {ll}>"
+    quads = set(picked)
+    assert {p.name for p in quads} == {f"normspec_fwd_quad_kernel<{op}, {t}, {ll}>"
                                      for op in (0, 1) for t in ("__nv_bfloat16", "__half")
                                      for ll in (5, 6)}
     # four rows of 256 or eight of 128 a block: one block for 1 and 3 rows, SMs / 2 at the
     # bound
-    assert {p[1] for p in quads} == {(1, 1, 1), (-(-sms // 2), 1, 1)}
-    assert {p[2] for p in quads} == {(256, 1, 1)}
+    assert {p.plan.grid for p in quads} == {1, -(-sms // 2)}
+    assert {p.plan.block_x for p in quads} == {256}
 
 
 def _every_bf16_gate(rows_n: int, hidden: int) -> dict[str, torch.Tensor]:
@@ -362,11 +387,11 @@ def test_gated_forward_on_the_persistent_kernel(shape, monkeypatch, ext):
     that fill no team, 16-byte aligned: the general form). The spec's bits and the
     extension's, both conventions and activations, both weights' dtypes, forward and
     backward."""
-    persistent = record_calls(monkeypatch, "pipe_forward_launch")
+    persistent = record_plans(monkeypatch, K_FWD_PIPE)
     for seed, (op, params) in enumerate(GATED):
         wdtype = (torch.float32, torch.bfloat16)[seed % 2]
         check_torch(op, params, shape, torch.bfloat16, wdtype, seed, ext=ext)
-    assert persistent and all(p is not None and p.table for p in persistent)
+    assert persistent and all(p.plan.table for p in persistent)
     constant = shape == (8192, 128)
     assert all(p.name.endswith(", 4>" if constant else ", -1>") for p in persistent)
 
@@ -374,10 +399,10 @@ def test_gated_forward_on_the_persistent_kernel(shape, monkeypatch, ext):
 def test_gated_forward_every_gate_per_table(monkeypatch):
     """Every one of the 2**16 bf16 gates, both conventions and activations, gives the
     spec's bits through the large gated forward: the one-row forms that read act(z) from
-    the gate table in global memory (``gated_row_table_launch``), as in the torch
+    the gate table in global memory (``global_table_plan``), as in the torch
     extension. (The persistent forward, whose blocks build the table in shared memory,
     runs every gate in the graph-capture test below.)"""
-    picked = record_calls(monkeypatch, "gated_row_table_launch")
+    picked = record_plans(monkeypatch, K_FWD_ROW, gt=True)
     rows = _every_bf16_gate(32768, 128)
     w32 = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
@@ -389,7 +414,7 @@ def test_gated_forward_every_gate_per_table(monkeypatch):
     # the GT forms (gt_form): vllm 1, hf 2 (fp32 weight); 4, 5 (bf16 weight as it is)
     forms = [1, 1, 2, 2, 4, 4, 5, 5]
     assert [c["convention"] for _, c in GATED] == ["vllm", "vllm", "hf", "hf"]
-    assert [p[0] for p in picked] == [
+    assert [p.name for p in picked] == [
         f"normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, {f}>" for f in forms]
     filled = cb.device.state(torch.cuda.current_device()).gate_tables_filled
     assert filled == {False, True}  # both activations
@@ -403,7 +428,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     outside the capture fills the table and uses it. Every one of the 2**16 bf16 gates
     gives the spec's bits through that persistent forward."""
     monkeypatch.setattr(cb.device, "_states", {})
-    picked = record_calls(monkeypatch, "pipe_forward_launch")
+    picked = record_plans(monkeypatch, K_FWD_PIPE)
     rows = _every_bf16_gate(32768, 128)
     w = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 0.1 + 1.0
     crows = {k: v.cuda() for k, v in rows.items()}
@@ -426,7 +451,7 @@ def test_gated_row_table_first_use_inside_a_graph_capture(monkeypatch):
     # the capture took the plan kept outside it
     filled = cb.device.state(torch.cuda.current_device()).gate_tables_filled
     assert filled == set() and len(picked) == 1
-    assert all(p is not None and p.table for p in picked)
+    assert all(p.plan.table for p in picked)
     got = cb.rms_norm_gated(crows["x"], crows["gate"], cw, eps=EPS, **params)
     assert_bits(got, want[0], f"after the graph {params}")
     assert len(filled) == 1 and len(picked) == 1
@@ -478,8 +503,10 @@ def test_pipelined_backward_occupancy():
     """The occupancy query the persistent grid depends on answers (a failure would fall
     back to one block per SM: the same bits, a slow launch)."""
     cb.available()
-    name, *_, (block, smem, _team_log) = cb.launches.pipe_backward_launch(
-        OP_RMS, DT_BF16, 32768, 2048, 132, 232448)
+    groups = cb.geometry.backward_plan_aligned(DT_BF16, 32768, 2048, True, 132, 232448)
+    plan = cb.planner.launch_plan(cb.planner.PlanQuery(OP_RMS, DT_BF16, True, 32768, 2048,
+                                                       aligned=True, groups=groups))
+    name, block, smem = cb.launches.kernel_name(OP_RMS, DT_BF16, plan), plan.block_x, plan.smem
     st = cb.device.state(torch.cuda.current_device())
     fn = st.kernel(OP_RMS, DT_BF16, name)
     per_sm = st.prepare_pipe_kernel(fn, ("occupancy test", name, smem), block, smem,

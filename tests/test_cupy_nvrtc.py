@@ -30,8 +30,11 @@ from normspec.backends.cupy.codes import (
     F_ALIGNED,
     F_DW_FINAL,
     F_GATE_TABLE,
+    F_HF,
     F_LET_DEPENDENTS,
+    F_OFFSET,
     F_ROUNDED,
+    F_SIGMOID,
     F_W_IS_INPUT,
     F_W_RAW,
     OP_FUSED,
@@ -932,20 +935,8 @@ def test_modules_split_each_op_and_dtype_by_direction():
 
 
 def test_launch_shapes():
-    name, grid, block = cb.launches.forward_launch(OP_RMS, DT_BF16, 2**16, 128)
-    assert (name, grid, block) == ("normspec_fwd_kernel<0, __nv_bfloat16, 1>", (16384, 1, 1),
-                                   (32, 4, 1))
-    name, grid, block = cb.launches.forward_launch(OP_FUSED, DT_F32, 7, 8192)
-    assert (name, grid, block) == ("normspec_fwd_kernel<1, float, 2>", (7, 1, 1), (1024, 1, 1))
-    name, grid, block = cb.launches.forward_launch(OP_GATED, DT_F16, 3, 40000)
-    assert (name, grid, block) == ("normspec_fwd_stream_kernel<2, __half>", (3, 1, 1),
-                                   (1024, 1, 1))
-    name, grid, block, glog = cb.launches.backward_launch(OP_RMS, DT_F32, 9, 1003, 9)
-    assert (name, grid, block, glog) == ("normspec_bwd_kernel<0, float, 1>", (9, 1, 1),
-                                         (256, 1, 1), True)
-    name, grid, block, glog = cb.launches.backward_launch(OP_GATED, DT_BF16, 5, 12000, 5)
-    assert (name, grid, block, glog) == ("normspec_bwd_stream_kernel<2, __nv_bfloat16>",
-                                         (5, 1, 1), (1024, 1, 1), False)
+    """The dweight tree's launches, and how many kernels each module holds (every one a
+    plan can pick: tests/test_launch_plan.py checks the plans' kernels are among them)."""
     assert cb.geometry.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
     assert cb.geometry.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
     assert cb.geometry.col_tree_last_launch(1, 2048) == (0, 0, (128, 1, 1))
@@ -969,341 +960,8 @@ def test_launch_shapes():
             extra = {OP_RMS: 10, OP_GATED: 46 if dt == DT_BF16 else 0}.get(op, 0)
             tree = 2 if dt == DT_F32 else 3
             assert len(names) == len(set(names)) == forward + 18 + tree + extra
-            if op != OP_FUSED_SUM:  # every persistent forward the planner picks
-                for hidden, rows in itertools.product((8, 64, 128, 1003, 2048, 8192, 8193),
-                                                      (1, 4096, 1 << 17)):
-                    fwd = cb.launches.pipe_forward_launch(op, dt, rows, hidden, 232448)
-                    assert (fwd is None) == (hidden > 1024 * cb.geometry.vec_of(dt))  # 1024 vectors
-                    assert fwd is None or fwd.name in names, (op, dt, hidden, rows)
             if op == OP_FUSED_SUM:
                 assert not any(n.startswith("normspec_fwd") for n in names)
-                for hidden in (128, 2048, 1003):
-                    bwd = cb.launches.pipe_backward_launch(op, dt, 4096, hidden, 132, 232448,
-                                                  saved=True)
-                    assert bwd.name in names
-                continue
-            for hidden in (1, 100, 1003, 8192, 12000, 70000):
-                assert cb.launches.forward_launch(op, dt, 5, hidden)[0] in names
-                assert cb.launches.backward_launch(op, dt, 5, hidden, 5)[0] in names
-                for rows in (1, 64, 4096, 2**20):
-                    row = cb.launches.row_forward_launch(op, dt, rows, hidden, 132)
-                    assert row is None or row[0] in names, (op, dt, rows, hidden)
-                    row = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132)
-                    assert row is None or row[0] in names, (op, dt, rows, hidden)
-                    bwd = cb.launches.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
-                    assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
-            for hidden in (64, 128, 256, 512, 1024, 2048, 4096):
-                for rows in (1, 4096, 2**21):
-                    bwd = cb.launches.pipe_backward_launch(op, dt, rows, hidden, 132, 232448)
-                    assert bwd is None or bwd[0] in names, (op, dt, rows, hidden)
-                    row = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132)
-                    assert row is None or row[0] in names, (op, dt, rows, hidden)
-
-
-@pytest.mark.parametrize("op,dt,rows,hidden,want", [
-    # the bench's GDN norm on an H200 (132 SMs): teams of 8 lanes, one-warp blocks
-    (OP_GATED, DT_BF16, 2**21, 128,
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 3, true, 1>", (2**19, 1, 1), (32, 1, 1),
-      3)),
-    (OP_GATED, DT_BF16, 8192, 1024,  # the largest form: teams of 64 lanes
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 6, true, 1>", (8192, 1, 1), (64, 1, 1), 6)),
-    (OP_GATED, DT_BF16, 2**15, 64,  # the smallest: teams of 4 lanes
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 2, 2, true, 1>", (512, 1, 1), (256, 1, 1),
-      2)),
-    (OP_GATED, DT_BF16, 2**14, 64, None),  # few rows: one pass of 8 lanes
-    (OP_GATED, DT_BF16, 4096, 128, None),  # 2**19 elements: no table
-    (OP_GATED, DT_BF16, 2**20, 2048, None),  # teams of 128 lanes: no such form
-    (OP_GATED, DT_BF16, 2**14, 100, None),  # rows that do not fill the team
-    (OP_GATED, DT_F16, 2**21, 128, None),  # the table holds bf16 gates
-    (OP_RMS, DT_BF16, 2**21, 128, None),
-])
-def test_gated_row_table_launch(op, dt, rows, hidden, want):
-    assert cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132) == want
-    if want is not None:  # the GT forms of the conventions and weights (gt_form)
-        forms = {(False, False, False): 1, (False, True, True): 4, (True, False, False): 2,
-                 (True, True, False): 3, (True, True, True): 5}
-        for (hf, w_in, w_raw), form in forms.items():
-            got = cb.launches.gated_row_table_launch(op, dt, rows, hidden, 132, hf=hf,
-                                                     w_is_input=w_in, w_raw=w_raw)
-            assert got == (want[0].replace(", 1>", f", {form}>"), *want[1:]), (hf, w_in, w_raw)
-
-
-@pytest.mark.parametrize("op,dt,rows,hidden,want", [
-    # the bench's large shapes on an H200 (132 SMs): the default teams, constant forms
-    (OP_RMS, DT_BF16, 32768, 2048,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 6>", (32768, 1, 1), (64, 1, 1), 6)),
-    (OP_RMS, DT_BF16, 524288, 256,  # 8 waves of teams of 8 lanes: one-warp blocks
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (131072, 1, 1), (32, 1, 1), 3)),
-    (OP_RMS, DT_BF16, 16384, 256,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (512, 1, 1), (256, 1, 1), 3)),
-    (OP_FUSED, DT_BF16, 32768, 2048,
-     ("normspec_fwd_row_kernel<1, __nv_bfloat16, 2, 7>", (32768, 1, 1), (128, 1, 1), 7)),
-    # few rows: one vector per thread; rows that fill the team run the one-pass constant
-    # forms (teams of 16..256 lanes), others the general form
-    (OP_RMS, DT_BF16, 64, 2048,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, 8>", (64, 1, 1), (256, 1, 1), 8)),
-    (OP_GATED, DT_F32, 1, 128,
-     ("normspec_fwd_row_kernel<2, float, 1, 5>", (1, 1, 1), (256, 1, 1), 5)),
-    (OP_GATED, DT_BF16, 1, 64,  # a team of 8 lanes: no one-pass constant form
-     ("normspec_fwd_row_kernel<2, __nv_bfloat16, 1, -1>", (1, 1, 1), (256, 1, 1), 3)),
-    (OP_RMS, DT_BF16, 64, 2000,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 1, -1>", (64, 1, 1), (256, 1, 1), 8)),
-    # rows that do not fill the team: the general form
-    (OP_RMS, DT_F16, 100000, 1003,
-     ("normspec_fwd_row_kernel<0, __half, 4, -1>", (100000, 1, 1), (32, 1, 1), 5)),
-    # more rows than a 32-bit row index holds (the constant forms' SLOT32): the general form
-    (OP_RMS, DT_BF16, 2**31, 256,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, -1>", (2**29, 1, 1), (32, 1, 1), 3)),
-    (OP_RMS, DT_BF16, 2**31 - 1, 256,
-     ("normspec_fwd_row_kernel<0, __nv_bfloat16, 4, 3>", (2**29, 1, 1), (32, 1, 1), 3)),
-    # more than 1024 vectors: not the one-row forward
-    (OP_RMS, DT_BF16, 64, 8200, None),
-    (OP_FUSED, DT_F32, 64, 4100, None),
-])
-def test_row_forward_launch(op, dt, rows, hidden, want):
-    assert cb.launches.row_forward_launch(op, dt, rows, hidden, 132) == want
-
-
-@pytest.mark.parametrize("op,dt,rows,hidden,want", [
-    # the bench's large shapes on an H200 (132 SMs, 227 KiB opt-in): constant forms
-    (OP_RMS, DT_BF16, 32768, 2048,
-     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 2, 7, false, -1>", 4, False, 128)),
-    (OP_RMS, DT_BF16, 524288, 256,
-     ("normspec_bwd_pipe_kernel<0, __nv_bfloat16, 1, 5, false, -1>", 5, False, 256)),
-    (OP_GATED, DT_BF16, 2**21, 128,  # the gate table: 2**21 x 128 elements
-     ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 5, True, 256)),
-    (OP_GATED, DT_BF16, 4096, 128,  # 2**19 elements: no table
-     ("normspec_bwd_pipe_kernel<2, __nv_bfloat16, 1, 4, false, -1>", 0, False, 256)),
-    (OP_FUSED, DT_F32, 32768, 2048,
-     ("normspec_bwd_pipe_kernel<1, float, 2, 8, false, -1>", 5, False, 256)),
-    # rows that do not fill the team: the general form
-    (OP_RMS, DT_F16, 100000, 1003,
-     ("normspec_bwd_pipe_kernel<0, __half, 2, -1, false, -1>", 5, False, 64)),
-])
-def test_pipe_backward_launch(op, dt, rows, hidden, want):
-    name, glog, groups, table, (block, smem, team_log) = cb.launches.pipe_backward_launch(
-        op, dt, rows, hidden, 132, 232448)
-    assert (name, glog, table, block) == want
-    assert groups == -(-rows // (1 << glog))
-    vec = cb.geometry.vec_of(dt)
-    assert smem == cb.geometry.pipe_smem_bytes(team_log, int(name.split(", ")[2]), vec, glog, table)
-    assert cb.geometry.fits_smem(smem, 232448)
-    # the grid: every group's team, at most the resident blocks
-    teams_per_block = block >> team_log
-    grid = cb.geometry.persistent_grid(groups, team_log, 2, 132)
-    assert grid == min(-(-groups // teams_per_block), 264)
-
-
-_BF16 = "__nv_bfloat16"
-_PAIR = "normspec::normspec_gated_bwd_pair_kernel"
-_GATED_GRID = (OP_GATED, DT_BF16, 2**21, 128)  # the bench's GDN norm
-
-
-@pytest.mark.parametrize("args,kw,want", [
-    # the saved rstd: the constant forms that read it
-    ((OP_RMS, DT_BF16, 32768, 2048), {"saved": True},
-     (f"normspec_bwd_pipe_kernel<0, {_BF16}, 2, 7, true, -1>", 4, False)),
-    ((OP_FUSED_SUM, DT_BF16, 32768, 2048), {"saved": True},
-     (f"normspec_bwd_pipe_kernel<3, {_BF16}, 2, 7, true, -1>", 4, False)),
-    ((OP_RMS, DT_F16, 100000, 1003), {"saved": True},  # the general form
-     ("normspec_bwd_pipe_kernel<0, __half, 2, -1, true, -1>", 5, False)),
-    # the rms norm's one-row groups: a team per row, 128 x 2 as 256 x 1 up to 8 x SMs rows
-    ((OP_RMS, DT_BF16, 1, 2048), {},
-     (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, false>", 0, False)),
-    ((OP_RMS, DT_BF16, 1056, 2048), {"saved": True},
-     (f"normspec_bwd_row_kernel<{_BF16}, 1, 8, true>", 0, False)),
-    ((OP_RMS, DT_BF16, 1057, 2048), {"saved": True},
-     (f"normspec_bwd_row_kernel<{_BF16}, 2, 7, true>", 0, False)),
-    ((OP_RMS, DT_BF16, 64, 256), {"saved": True},
-     (f"normspec_bwd_row_kernel<{_BF16}, 1, 5, true>", 0, False)),
-    ((OP_FUSED, DT_BF16, 64, 2048), {},  # the rms norm's only
-     (f"normspec_bwd_pipe_kernel<1, {_BF16}, 2, 7, false, -1>", 0, False)),
-    # the gate-table backward with the saved rstd: the convention as constants, two rows
-    # a team per iteration where the groups have two rows or more
-    (_GATED_GRID, {"saved": True}, (f"{_PAIR}<{_BF16}, 4, 0>", 5, True)),
-    (_GATED_GRID, {"saved": True, "hf": True}, (f"{_PAIR}<{_BF16}, 4, 1>", 5, True)),
-    (_GATED_GRID, {"saved": True, "hf": True, "w_is_input": True},
-     (f"{_PAIR}<{_BF16}, 4, 7>", 5, True)),
-    (_GATED_GRID, {},  # recomputing rstd: the run-time convention
-     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, false, -1>", 5, True)),
-    ((OP_GATED, DT_BF16, 8192, 128), {"saved": True},  # one-row groups
-     (f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>", 0, True)),
-    ((OP_GATED, DT_BF16, 2**17, 256), {"saved": True},
-     (f"{_PAIR}<{_BF16}, 5, 0>", 4, True)),
-    ((OP_GATED, DT_F16, 2**21, 128), {"saved": True},  # the table holds bf16
-     ("normspec_bwd_pipe_kernel<2, __half, 1, 4, true, -1>", 5, False)),
-])
-def test_pipe_backward_launch_forms(args, kw, want):
-    """The forms ``launch_bwd_pipe`` picks: the saved rstd's, the one-row backward, the
-    gated convention as constants and the pair kernel."""
-    launch = cb.launches.pipe_backward_launch(*args, 132, 232448, **kw)
-    assert (launch.name, launch.glog, launch.table) == want
-    assert launch.name in cb.name_expressions(args[0], args[1])
-    rows, hidden = args[2], args[3]
-    assert launch.groups == -(-rows // (1 << launch.glog))
-    block, smem, team_log = launch.shape
-    if launch.kind == "row":  # a team per row, blocks of 256 lanes or of one team
-        assert smem == 0 and launch.glog == 0
-        assert block == (256 if team_log <= 5 else 1 << team_log)
-        assert hidden == int(launch.name.split(", ")[1]) * 8 << team_log  # one full row
-    elif launch.kind == "pair":  # the table, then glog - 1 stack levels of 8 floats a thread
-        assert smem == 8192 * 8 + (launch.glog - 1) * 8 * 4 * 256 and block == 256
-    else:
-        np_ = int(launch.name.split(", ")[2])
-        vec = cb.geometry.vec_of(args[1])
-        assert smem == cb.geometry.pipe_smem_bytes(team_log, np_, vec, launch.glog,
-                                                   launch.table)
-    assert cb.geometry.fits_smem(smem, 232448)
-
-
-def test_gt_form():
-    """The GT forward's form of each convention and weight (``gt_form_of``)."""
-    gt_form = cb.launches.gt_form
-    assert [gt_form(False, False, False), gt_form(False, True, True)] == [1, 4]
-    assert [gt_form(True, False, False), gt_form(True, True, False),
-            gt_form(True, True, True)] == [2, 3, 5]
-
-
-def test_pair_kernel_only_where_offsets_fit_32_bits():
-    """Rows strided so far apart that the last element lies past 2**31 - 2 keep the
-    pipelined kernel's constant GC form (``normspec_gated_bwd_pair_kernel`` does its row
-    arithmetic in 32 bits: ``offsets_fit_32``); the bench's contiguous rows run the pair
-    kernel."""
-    args = (OP_GATED, DT_BF16, 2**21, 128, 132, 232448)
-    near = cb.launches.pipe_backward_launch(*args, (128, 128, 128, 0, 128, 128), saved=True)
-    assert near.name == f"{_PAIR}<{_BF16}, 4, 0>"
-    far = cb.launches.pipe_backward_launch(*args, (2048, 128, 128, 0, 128, 128), saved=True)
-    assert far.name == f"normspec_bwd_pipe_kernel<2, {_BF16}, 1, 4, true, 0>"
-
-
-def test_pipe_backward_launch_bounds():
-    args = (OP_GATED, DT_BF16, 2**21, 128, 132, 232448)
-    assert cb.launches.pipe_backward_launch(*args)[3]
-    # rows of more than 1024 vectors: the register and streaming kernels
-    assert cb.launches.pipe_backward_launch(OP_RMS, DT_BF16, 64, 8200, 132, 232448) is None
-    # a device with less shared memory keeps the table out
-    assert not cb.launches.pipe_backward_launch(OP_GATED, DT_BF16, 2**21, 128, 132, 65536)[3]
-
-
-HS = (1, 2, 3, 4, 7, 8, 9, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 257, 500, 511, 512,
-      513, 1000, 1003, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 5000, 8191, 8192,
-      8193, 12000, 16384, 16385, 32768, 32769, 40000, 70000)
-RS = (0, 1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 100, 257, 1000, 4096, 65535, 65536, 100003,
-      1000000, 1 << 33)
-
-
-def pipe_default(hidden: int, vec: int, backward: bool = True) -> tuple[int, int]:
-    """(team_log, NP) of the pipelined kernels' default geometry, (0, 0) where they do
-    not apply (documented in normspec_launch_impl.cuh)."""
-    nvec = -(-hidden // vec)
-    if nvec > 1024:
-        return 0, 0
-    one_pass = 32 if backward else 16
-    team = (cb.geometry.next_pow2(nvec) if nvec <= one_pass else
-            cb.geometry.next_pow2(nvec) // 2 if nvec <= 512 else 256)
-    np_ = next(n for n in (1, 2, 4) if n * team * vec >= hidden)
-    return team.bit_length() - 1, np_
-
-
-def check_pipe_plan(dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups, *, line):
-    """The pipelined backward's plan: its geometry, a shared-memory budget of 40 KiB per
-    block for the dweight stacks, and groups that cover the rows; unaligned rows keep the
-    register kernels' plan."""
-    vec = cb.geometry.vec_of(dt)
-    if not aligned or pipe_default(hidden, vec) == (0, 0):
-        assert pipe == 0, line
-        assert (glog, groups) == cb.geometry.backward_plan(dt, rows, hidden, sm), line
-        return
-    assert pipe == 1 and (team_log, np_) == pipe_default(hidden, vec), line
-    block = 256 if team_log <= 5 else 1 << team_log
-    assert 0 <= glog <= 5 and glog * np_ * vec * 4 * block <= 40960, line
-    assert groups == -(-rows // (1 << glog)), line
-    assert rows == 0 or (1 << glog) <= cb.geometry.next_pow2(rows), line
-
-
-def check_stack_cap(team_log, np_, vec, optin, glog, *, line):
-    """The plan's deepest dweight stacks (glog <= 5) within 40 KiB whose stacks and weight
-    factors, with 2 KiB kept for static shared memory, fit the device's opt-in limit."""
-    block = 256 if team_log <= 5 else 1 << team_log
-    weights = (np_ * vec * 4) << team_log
-
-    def fits(level, budget=40960):
-        stacks = level * np_ * vec * 4 * block
-        return stacks <= budget and stacks + weights + 2048 <= optin
-
-    assert 0 <= glog <= 5 and (glog == 0 or fits(glog)), line
-    assert glog == 5 or not fits(glog + 1), line
-
-
-def _geo_output(probe) -> str:
-    """What ``launch_probe geo`` prints for HS and RS: normspec_launch.cu's plans and
-    geometries, compiled and run on the host (tests/launch_probe/launch_probe.cu)."""
-    lists = f"{' '.join(map(str, HS))}\n{' '.join(map(str, RS))}\n"
-    return subprocess.run([str(probe), "geo"], input=lists, capture_output=True, text=True,
-                          check=True).stdout
-
-
-def test_plan_matches_the_cpp_launcher(launch_probe):
-    """geometry, backward_geometry, backward_plan, col_tree_rows_out, col_tree_last_logs
-    and grid_for of normspec_launch.cu (compiled on the host, run without a GPU) equal
-    the Python ones, and the pipelined kernels' geometry and backward plan keep their
-    documented invariants."""
-    out = _geo_output(launch_probe)
-    # the multiprocessors the launcher counted (132, an H100/H200, without a GPU)
-    sms = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("S "))
-    # the opt-in shared memory it assumed (227 KiB without a GPU)
-    optin = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("O "))
-    n = 0
-    for line in out.splitlines():
-        kind, *v = line.split()
-        v = [int(t) for t in v]
-        if kind == "G":
-            hidden, vec, ft, fnp, bt, bnp = v
-            assert cb.geometry.forward_geometry(hidden, vec) == (ft, fnp), line
-            assert cb.geometry.backward_geometry(hidden, vec) == (bt, bnp), line
-        elif kind == "P":
-            dt, rows, hidden, sm, glog, groups = v
-            assert cb.geometry.backward_plan(dt, rows, hidden, sm) == (glog, groups), line
-        elif kind == "Q":
-            check_pipe_plan(*v, line=line)
-            dt, rows, hidden, sm, aligned, pipe, team_log, np_, glog, groups = v
-            # the CuPy backend's mirror of the pipelined backward's plan
-            if pipe:
-                assert cb.geometry.pipe_backward_plan(dt, rows, hidden, sm, optin) == (
-                    team_log, np_, glog, groups), line
-            elif aligned:
-                assert cb.geometry.pipe_backward_plan(dt, rows, hidden, sm, optin) is None, line
-        elif kind == "W":
-            hidden, vec, bwd, team_log, np_ = v
-            assert (team_log, np_) == pipe_default(hidden, vec, bool(bwd)), line
-            if bwd:
-                assert cb.geometry.pipe_backward_geometry(hidden, vec) == (team_log, np_), line
-            else:  # the CuPy backend's mirror of the persistent forward's geometry
-                assert cb.geometry.pipe_forward_geometry(hidden, vec) == (team_log, np_), line
-        elif kind == "O":
-            assert optin > 48 * 1024, line
-        elif kind == "R":
-            hidden, vec, two, rows, team_log, np_, block = v
-            # the CuPy backend's mirror of the one-row forward's launch
-            got = cb.geometry.row_geometry(hidden, vec, bool(two), rows, sms)
-            assert (team_log, np_) == got, line
-            assert np_ == 0 or (1 << team_log) * np_ * vec >= hidden, line
-            assert np_ == 0 or block == cb.geometry.row_block(team_log, rows, sms), line
-        elif kind == "S":
-            assert sms > 0, line
-        elif kind == "M":
-            check_stack_cap(*v, line=line)
-        elif kind == "C":
-            assert cb.geometry.col_tree_rows_out(v[0]) == v[1], line
-        elif kind == "L":
-            assert v[0] <= cb.geometry.COL_TREE_LAST_MAX, line
-            assert cb.geometry.col_tree_last_launch(v[0], 1)[:2] == (v[1], v[2]), line
-        elif kind == "F":
-            assert cb.geometry.grid_for(v[0], v[1]) == v[2], line
-        n += 1
-    assert n > 5000
-
-
 
 
 def test_a_module_compile_is_announced_and_cached(monkeypatch, tmp_path, capsys):
@@ -1631,8 +1289,7 @@ def test_a_repeated_call_reuses_its_plan(monkeypatch):
     """The second call of a shape launches what the first did without asking the planners
     again."""
     launches = _record_launches(monkeypatch)
-    asked = _count_calls(monkeypatch, "row_forward_launch", "pipe_forward_launch",
-                         "pipe_backward_launch", "col_tree_last_launch")
+    asked = _count_calls(monkeypatch, "launch_plan", "col_tree_last_launch")
     x = torch.zeros(64, 2048, dtype=torch.bfloat16)
     w = torch.zeros(2048, dtype=torch.bfloat16)
 
@@ -1643,12 +1300,12 @@ def test_a_repeated_call_reuses_its_plan(monkeypatch):
 
     first = forward()
     assert first[0].startswith("normspec_fwd_row_kernel<0, __nv_bfloat16")
-    assert asked == ["row_forward_launch"]
+    assert asked == ["launch_plan"]
     assert forward() == first and len(asked) == 1
     del launches[:]
     for _ in range(2):  # the backward with its dweight tree: planned once
         cb.run.backward("torch", OP_RMS, [x], [x], w, 1e-6, {"offset": 1.0})
-    assert asked[1:] == ["pipe_backward_launch", "col_tree_last_launch"]
+    assert asked[1:] == ["launch_plan", "col_tree_last_launch"]
     assert len(launches) == 4 and launches[:2] != [] and [
         (n, g, b, s) for n, g, b, _, s in launches[:2]] == [
         (n, g, b, s) for n, g, b, _, s in launches[2:]]
@@ -1706,3 +1363,137 @@ def test_torch_streams_reach_cupy_as_their_raw_handles(monkeypatch):
     assert other.ptr == 0x2000 and other is not first
     handles[0] = 0x3000  # another stream made current on device 0
     assert cb.arrays._torch_stream_for_cupy(cupy, 0).ptr == 0x3000
+
+
+def _kernel_parameters() -> dict[str, list[tuple[str, str]]]:
+    """Each kernel defined in the CUDA sources: its parameters as ``(code, name)``, the
+    code as ``KernelArgs`` spells the C type (``Q`` a pointer, ``q`` long long, ``i`` int,
+    ``f`` float)."""
+    csrc = Path(cb.__file__).resolve().parents[1] / "csrc"
+    text = "".join((csrc / n).read_text() for n in ("normspec_kernels.cuh", "normspec_pipe.cuh",
+                                                    "normspec_gated_bwd.cuh"))
+    kernels = {}
+    for m in re.finditer(r"(normspec_\w+_kernel)\s*\(([^(){};]*)\)\s*\{", text):
+        params = []
+        for p in m.group(2).split(","):
+            words = [w for w in re.findall(r"\w+", p.split("=")[0])
+                     if w not in ("const", "__restrict__")]
+            code = "Q" if "*" in p else {"long long": "q", "int": "i", "float": "f"}[
+                " ".join(words[:-1])]
+            params.append((code, words[-1]))
+        kernels[m.group(1)] = params
+    return kernels
+
+
+#: arguments of the same C type, told apart by their values: (op, dt, wdt, rows, H,
+#: backward, rstd, params); x, the residual or gate, dy and dresidual have row strides of
+#: H + 8, + 16, + 24 and + 32
+_ARG_CALLS = [
+    (OP_RMS, DT_BF16, DT_BF16, 64, 2048, False, True, {"offset": 1.0}),  # row, constant
+    (OP_RMS, DT_F16, DT_F32, 100, 1000, False, False, {"offset": 1.0}),  # row, general
+    (OP_RMS, DT_BF16, DT_BF16, 3, 256, False, False, {"offset": 1.0}),  # quad
+    (OP_GATED, DT_BF16, DT_F32, 2**15, 64, False, False,
+     {"convention": "vllm", "activation": "silu"}),  # the global table's form
+    (OP_GATED, DT_BF16, DT_BF16, 8192, 128, False, True,
+     {"convention": "hf", "activation": "sigmoid"}),  # persistent
+    (OP_FUSED, DT_F32, DT_F32, 5, 7, False, False, {"offset": 1.0, "residual_sum": "fp32"}),
+    (OP_FUSED, DT_F32, DT_F32, 3, 40000, False, True, {"offset": 0.0, "residual_sum": "fp32"}),
+    (OP_RMS, DT_BF16, DT_BF16, 1, 2048, True, True, {"offset": 1.0}),  # one-row backward
+    (OP_RMS, DT_BF16, DT_F32, 4096, 2048, True, False, {"offset": 1.0}),  # pipelined
+    (OP_GATED, DT_BF16, DT_BF16, 2**16, 128, True, True,
+     {"convention": "hf", "activation": "sigmoid"}),  # pair
+    (OP_GATED, DT_BF16, DT_F32, 8192, 128, True, True,
+     {"convention": "vllm", "activation": "silu"}),  # convention constants, one-row groups
+    (OP_FUSED, DT_BF16, DT_BF16, 2000, 1000, True, False,
+     {"offset": 1.0, "residual_sum": "rounded"}),
+    (OP_FUSED_SUM, DT_F16, DT_F16, 64, 2048, True, True,
+     {"offset": 1.0, "residual_sum": "rounded"}),
+    (OP_RMS, DT_F32, DT_F32, 100003, 7, True, False, {"offset": 0.0}),  # register, tree
+    (OP_GATED, DT_F32, DT_F32, 3, 40000, True, False,
+     {"convention": "vllm", "activation": "silu"}),  # streaming
+]
+
+
+def _strided_rows(rows: int, hidden: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(rows * (hidden + pad), dtype=dtype).as_strided(
+        (rows, hidden), (hidden + pad, 1))
+
+
+def test_launches_fill_kernel_arguments_in_order(monkeypatch):
+    """Every kernel the backend launches gets the arguments its definition lists, in
+    that order and of those C types: each pointer the tensor it names, each size and
+    stride its own value, eps, offset, the flags' convention bits, team and group sizes."""
+    kernels = _kernel_parameters()
+    launches = _record_launches(monkeypatch)
+    monkeypatch.setattr(cb.device.DeviceState, "global_gate_table",
+                        lambda self, cp, sig: 0x100000 + 32768 * sig)
+    torch_dt = {DT_F32: torch.float32, DT_BF16: torch.bfloat16, DT_F16: torch.float16}
+    codes = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f"}
+    seen = set()
+    for op, dt, wdt, rows, hidden, backward, with_rstd, params in _ARG_CALLS:
+        t = torch_dt[dt]
+        x, r, dy, dres = (_strided_rows(rows, hidden, pad, t) for pad in (8, 16, 24, 32))
+        w = torch.ones(hidden, dtype=torch_dt[wdt])
+        rstd = torch.zeros(rows) if with_rstd else None
+        two_rows = op in (OP_FUSED, OP_GATED)
+        launches.clear()
+        if backward:
+            grads = [dy, dres] if op in (OP_FUSED, OP_FUSED_SUM) else [dy]
+            cb.run.backward("torch", op, grads, [x, r] if two_rows else [x], w, 1e-6, params,
+                            rstd=rstd)
+        else:
+            cb.run.forward("torch", op, [x, r] if two_rows else [x], w, 1e-6, params,
+                           keep_rstd=with_rstd)
+        offset = params.get("offset", 0.0) if op != OP_GATED else 0.0
+        second = two_rows if backward else op == OP_FUSED
+        pad = 1 if rows > 1 else 0  # one row's stride is its length
+        want = {"x": x.data_ptr(), "r": r.data_ptr() if two_rows else 0,
+                "z": r.data_ptr(), "dy": dy.data_ptr(),
+                "dres": dres.data_ptr() if op in (OP_FUSED, OP_FUSED_SUM) else 0,
+                "rows": rows, "H": hidden, "H_arg": hidden, "sx": hidden + 8 * pad,
+                "sr": hidden + 16 * pad if two_rows else 0, "sz": hidden + 16 * pad,
+                "sdy": hidden + 24 * pad,
+                "sdres": hidden + 32 * pad if op in (OP_FUSED, OP_FUSED_SUM) else 0,
+                "sy": hidden, "sdx": hidden, "sy2": hidden if second else 0,
+                "sd2": hidden if second else 0, "sdz": hidden,
+                "eps": np.float32(1e-6), "offset": np.float32(offset)}
+        conventions = _flags_of(op, params) & (F_OFFSET | F_HF | F_SIGMOID)
+        for name, _grid, block, args, _smem in launches:
+            base = name.rpartition("::")[2].partition("<")[0]
+            seen.add(base)
+            params_ = kernels[base]
+            what = f"{name} for {op, dt, rows, hidden, backward}"
+            assert "".join(codes[type(a)] for a in args) == "".join(
+                c for c, _ in params_), what
+            got = {n: a for (_, n), a in zip(params_, args, strict=True)}
+            for n, value in want.items():
+                if n in got and base not in ("normspec_col_tree_kernel",
+                                             "normspec_col_tree_last_kernel"):
+                    assert got[n] == value, (what, n, got[n], value)
+            for n in ("w", "y", "dx", "ws", "in", "out"):
+                assert n not in got or got[n] != 0, (what, n)
+            for n in ("y2", "d2", "dz"):
+                assert n not in got or (got[n] != 0) == second, (what, n)
+            if "flags" in got:
+                assert int(got["flags"]) & (F_OFFSET | F_HF | F_SIGMOID) == conventions, what
+            if "team_log_arg" in got:
+                assert block[0] >> int(got["team_log_arg"]) >= 1, what
+            if "groups" in got:
+                assert int(got["groups"]) == -(-rows // (1 << int(got["glog"]))), what
+            if "rstd_out" in got:
+                assert (got["rstd_out"] != 0) == with_rstd, what
+            if "rstd_in" in got:
+                assert got["rstd_in"] == (rstd.data_ptr() if rstd is not None else 0), what
+            if "gtab" in got:
+                assert got["gtab"] in (0, 0x100000), what
+    assert seen == set(kernels) - {"normspec_fill_gate_table_kernel"}, sorted(seen)
+
+
+def _flags_of(op: int, params: dict) -> int:
+    """The convention bits of a call's flags (F_OFFSET, F_HF, F_SIGMOID)."""
+    flags = F_OFFSET if op != OP_GATED and params.get("offset", 0.0) != 0.0 else 0
+    if params.get("convention") == "hf":
+        flags |= F_HF
+    if params.get("activation") == "sigmoid":
+        flags |= F_SIGMOID
+    return flags

@@ -1,21 +1,22 @@
-"""The launch geometry of ``normspec_launch_impl.cuh``, in Python: pure functions.
+"""The launch geometry of ``backends/csrc/normspec_plan.h``, in Python: pure functions.
 
-Team sizes, passes, dweight groups, shared memory and grids as the C++ launcher computes
-them (each function names its C++ twin). By the design any valid geometry gives the same
-bits (every partial sum is the tree of an aligned power-of-two segment, whatever the team
-size); these functions mirror the launcher so that both backends run the same launches.
-tests/test_cupy_nvrtc.py and tests/test_cupy_launch_parity.py compare them with the C++.
+Team sizes, passes, dweight groups and shared memory as the C++ plan computes them, each
+function named after its C++ twin (``forward_geometry`` is ``geometry``); ``planner``
+builds the launch plan from them. By the design any valid geometry gives the same bits
+(every partial sum is the tree of an aligned power-of-two segment, whatever the team
+size); the two backends run the same launches because tests/test_launch_plan.py holds
+this plan to the C++ one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .codes import (
     DT_BF16,
     DT_F32,
     GATE_TABLE_MIN_ELEMENTS,
-    GATE_TABLE_SLOTS,
     NPS,
     OP_GATED,
     PIPE_PLAN_LEVELS,
@@ -37,8 +38,15 @@ def vec_of(dtype_code: int) -> int:
     return 4 if dtype_code == DT_F32 else 8
 
 
+def grid_for(units: int, per_block: int) -> int:
+    """Blocks for ``units`` teams, ``per_block`` teams a block (1 .. 2**30)."""
+    blocks = (units + per_block - 1) // per_block
+    return int(min(max(blocks, 1), 1 << 30))
+
+
 def forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
-    """``(threads per team, NP)`` of the forward; ``NP == 0`` means the streaming kernel."""
+    """``(threads per team, NP)`` of the register forward (``geometry``); ``NP == 0``
+    means the streaming kernel."""
     nvec = (hidden + vec - 1) // vec
     if nvec <= 32:
         return 32, 1
@@ -52,7 +60,7 @@ def forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
 
 
 def backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
-    """``(threads per team, NP)`` of the backward (teams of at most 256 threads)."""
+    """``(threads per team, NP)`` of the register backward (teams of at most 256)."""
     nvec = (hidden + vec - 1) // vec
     if nvec <= 32:
         return 32, 1
@@ -70,20 +78,24 @@ def max_group_log(np_: int) -> int:
     return {1: 5, 2: 3, 4: 1}.get(np_, 0)
 
 
-def grid_for(units: int, per_block: int) -> int:
-    """Blocks for ``units`` teams, ``per_block`` teams a block (1 .. 2**30)."""
-    blocks = (units + per_block - 1) // per_block
-    return int(min(max(blocks, 1), 1 << 30))
+class BackwardGroups(NamedTuple):
+    """The backward's dweight groups (``BackwardPlan``): teams reduce groups of
+    ``2**glog`` rows into ``groups`` workspace rows; ``pipe``: the pipelined kernels', of
+    teams of ``2**team_log`` threads and ``np`` passes."""
+
+    glog: int = 0
+    groups: int = 0
+    pipe: int = 0
+    team_log: int = 0
+    np: int = 0
 
 
-def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> tuple[int, int]:
-    """``(glog, groups)``: each backward team reduces groups of ``2**glog`` rows and the
-    workspace has ``groups`` fp32 rows of ``hidden`` (``normspec::backward_plan``)."""
+def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> BackwardGroups:
+    """The register kernels' groups: the largest that leave every resident team a group."""
     threads, np_ = backward_geometry(hidden, vec_of(dtype_code))
     glog = 0
     if np_ > 0:
-        per_sm = max(2048 // threads, 1)
-        target = sm_count * per_sm
+        target = sm_count * max(2048 // threads, 1)
         prow = next_pow2(rows)
         ml = max_group_log(np_)
         while glog < ml and (1 << (glog + 1)) <= prow:
@@ -92,55 +104,70 @@ def backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int) -> tup
                 break
             glog += 1
     r = 1 << glog
-    return glog, (rows + r - 1) // r
+    return BackwardGroups(glog, (rows + r - 1) // r)
 
 
-def pipe_backward_geometry(hidden: int, vec: int) -> tuple[int, int]:
-    """``(team_log, NP)`` of the pipelined backward (``normspec::pipe_geometry`` with
-    ``backward``); ``(0, 0)`` for rows of more than 1024 vectors.
-    One pass up to 32 vectors, then teams of half the vectors (two passes), 256 x 4
-    from 513 vectors on."""
-    return _pipe_geometry(hidden, vec, 32)
+class PipeGeometry(NamedTuple):
+    """Teams of ``2**team_log`` threads with ``np`` passes (0: not eligible)."""
+
+    team_log: int = 0
+    np: int = 0
+
+    @property
+    def block(self) -> int:
+        """Threads per block of the pipelined kernels."""
+        return 256 if self.team_log <= 5 else 1 << self.team_log
 
 
-def pipe_forward_geometry(hidden: int, vec: int) -> tuple[int, int]:
-    """``(team_log, NP)`` of the persistent pipelined forward (``normspec::pipe_geometry``
-    without ``backward``); ``(0, 0)`` for rows of more than 1024 vectors.
-    One pass up to 16 vectors, then as the backward's."""
-    return _pipe_geometry(hidden, vec, 16)
+def with_passes(threads: int, hidden: int, vec: int) -> PipeGeometry:
+    """Teams of ``threads`` (at most 256) with the fewest passes that cover ``hidden``."""
+    if threads > 256:
+        return PipeGeometry()
+    for np_ in NPS:
+        if np_ * threads * vec >= hidden:
+            return PipeGeometry((threads - 1).bit_length(), np_)
+    return PipeGeometry()
 
 
-def _pipe_geometry(hidden: int, vec: int, one_pass: int) -> tuple[int, int]:
+def pipe_geometry(hidden: int, vec: int, backward: bool) -> PipeGeometry:
+    """The pipelined kernels' teams: one pass up to 16 vectors (32 in the backward), teams
+    of half the vectors up to 512, 256 x 4 for 513..1024 vectors."""
     nvec = (hidden + vec - 1) // vec
-    if nvec <= one_pass:
+    if nvec <= (32 if backward else 16):
         threads = next_pow2(nvec)
     elif nvec <= 512:
         threads = next_pow2(nvec) // 2
     else:
         threads = 256
-    for np_ in NPS:
-        if np_ * threads * vec >= hidden:
-            return threads.bit_length() - 1, np_
-    return 0, 0
+    return with_passes(threads, hidden, vec)
 
 
-def pipe_block(team_log: int) -> int:
-    """Threads per block of the pipelined kernels (``PipeGeometry::block``)."""
-    return 256 if team_log <= 5 else 1 << team_log
+def row_index_fits_32(rows: int) -> bool:
+    """Whether the one-row forward's constant forms may take ``rows`` (32-bit row index)."""
+    return rows <= 0x7FFFFFFF
 
 
-def pipe_stack_bytes(team_log: int, np_: int, vec: int, glog: int) -> int:
-    """The dweight stacks of a pipelined backward block: glog levels of NP * VEC floats
-    per thread (``normspec::pipe_stack_bytes``)."""
-    return glog * np_ * vec * 4 * pipe_block(team_log)
+def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int, sms: int
+                 ) -> PipeGeometry:
+    """The one-row forward's teams: four vectors a thread for the rms norm, two for the
+    ops with two row tensors; few rows double the team, up to one vector a thread, while
+    the teams' threads stay within ``sms * 1024``."""
+    nvec = (hidden + vec - 1) // vec
+    threads = min(256, max(1, next_pow2(nvec) // (2 if two_inputs else 4)))
+    one_vector = min(next_pow2(nvec), 256)
+    while threads < one_vector and rows * threads * 2 <= sms * 1024:
+        threads *= 2
+    return with_passes(threads, hidden, vec)
 
 
-def pipe_smem_bytes(team_log: int, np_: int, vec: int, glog: int, table: bool) -> int:
-    """Dynamic shared memory of the pipelined backward: the dweight stacks, the weight
-    factors and, with ``table``, the gate table of (act, act') pairs."""
-    weights = (np_ * vec * 4) << team_log
-    return (pipe_stack_bytes(team_log, np_, vec, glog) + weights
-            + (GATE_TABLE_SLOTS * 8 if table else 0))
+def row_block(g: PipeGeometry, rows: int, sms: int) -> int:
+    """Threads per block of the one-row forward: a team of 64+ lanes is its block; smaller
+    teams share 256-thread blocks, or one-warp blocks from 8 waves of resident threads."""
+    if g.team_log > 5:
+        return 1 << g.team_log
+    if rows << g.team_log >= sms * 2048 * 8:
+        return 32
+    return 256
 
 
 def fits_smem(dynamic_bytes: int, optin: int) -> bool:
@@ -148,23 +175,38 @@ def fits_smem(dynamic_bytes: int, optin: int) -> bool:
     return dynamic_bytes + STATIC_SMEM_ROOM <= optin
 
 
-def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
-                       optin: int) -> tuple[int, int, int, int] | None:
-    """``(team_log, NP, glog, groups)`` of the pipelined backward for aligned rows
-    (``normspec::backward_plan_for``), ``None`` for rows of more than
-    1024 vectors. The largest groups, within five stack levels of at most 40 KiB a
-    block, that leave a group for at least half of the teams the device holds."""
+def pipe_stack_bytes(g: PipeGeometry, vec: int, glog: int) -> int:
+    """The dweight stacks of a pipelined backward block."""
+    return glog * g.np * vec * 4 * g.block
+
+
+def pipe_weight_bytes(g: PipeGeometry, vec: int) -> int:
+    """The weight factors (NP * VEC floats a lane)."""
+    return (g.np * vec * 4) << g.team_log
+
+
+def pipe_max_glog(g: PipeGeometry, vec: int, optin: int) -> int:
+    """The deepest dweight stacks within the budget a block and the opt-in limit."""
+    weights = pipe_weight_bytes(g, vec)
+    level = 0
+    while (level < PIPE_PLAN_LEVELS
+           and pipe_stack_bytes(g, vec, level + 1) <= PIPE_STACK_BUDGET
+           and fits_smem(pipe_stack_bytes(g, vec, level + 1) + weights, optin)):
+        level += 1
+    return level
+
+
+def backward_plan_aligned(dtype_code: int, rows: int, hidden: int, aligned: bool,
+                          sm_count: int, optin: int) -> BackwardGroups:
+    """The backward's groups (``backward_plan_aligned``): the pipelined kernels' for
+    aligned rows of at most 1024 vectors, the largest that leave a group for at least half
+    of the teams the device holds; else ``backward_plan``."""
     vec = vec_of(dtype_code)
-    team_log, np_ = pipe_backward_geometry(hidden, vec)
-    if np_ == 0:
-        return None
-    cap = 0
-    while (cap < PIPE_PLAN_LEVELS
-           and pipe_stack_bytes(team_log, np_, vec, cap + 1) <= PIPE_STACK_BUDGET
-           and fits_smem(pipe_smem_bytes(team_log, np_, vec, cap + 1, False), optin)):
-        cap += 1
-    block = pipe_block(team_log)
-    teams = sm_count * (2048 // block) * (block >> team_log)
+    g = pipe_geometry(hidden, vec, True) if aligned else PipeGeometry()
+    if g.np == 0:
+        return backward_plan(dtype_code, rows, hidden, sm_count)
+    cap = pipe_max_glog(g, vec, optin)
+    teams = sm_count * (2048 // g.block) * (g.block >> g.team_log)
     prow = next_pow2(rows)
     glog = 0
     while glog < cap and (1 << (glog + 1)) <= prow:
@@ -173,36 +215,45 @@ def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
             break
         glog += 1
     r = 1 << glog
-    return team_log, np_, glog, (rows + r - 1) // r
+    return BackwardGroups(glog, (rows + r - 1) // r, 1, g.team_log, g.np)
+
+
+def pipe_backward_plan(dtype_code: int, rows: int, hidden: int, sm_count: int,
+                       optin: int) -> tuple[int, int, int, int] | None:
+    """``(team_log, NP, glog, groups)`` of the pipelined backward for aligned rows, ``None``
+    for rows of more than 1024 vectors."""
+    b = backward_plan_aligned(dtype_code, rows, hidden, True, sm_count, optin)
+    return (b.team_log, b.np, b.glog, b.groups) if b.pipe else None
 
 
 def wants_gate_table(op: int, dtype_code: int, rows: int, hidden: int) -> bool:
-    """Whether a launch reads act(z) from a gate table (``wants_gate_table`` of the
-    launcher): bf16 gated launches of at least 2**20 elements."""
+    """Whether a launch reads act(z) from a gate table: bf16 gated launches of at least
+    2**20 elements."""
     return op == OP_GATED and dtype_code == DT_BF16 and rows * hidden >= GATE_TABLE_MIN_ELEMENTS
 
 
-def bwd_row_wide(rows: int, sm_count: int) -> bool:
-    """Whether the one-row backward of 128 threads x 2 passes runs as 256 threads x 1
-    (``bwd_row_wide`` of the launcher: at most 8 x SMs rows)."""
-    return rows <= 8 * sm_count
+def gt_form(hf: bool, w_is_input: bool, w_raw: bool) -> int:
+    """The global gate table's form of the one-row forward (``GTF``): the vllm
+    convention's 1, or 4 with the weight read in the input dtype; the transformers
+    convention's 2 (fp32 weight), 3 (a weight of the input dtype) or 5 (read as it is)."""
+    if not hf:
+        return 4 if w_raw else 1
+    if not w_is_input:
+        return 2
+    return 5 if w_raw else 3
 
 
 def gated_gc(hf: bool, w_is_input: bool) -> int:
-    """The gate-table backward's convention constants ``GC`` (``launch_bwd_pipe``): 0 the
-    vllm convention, 1 transformers' with an fp32 weight, 7 transformers' with a weight of
-    the input dtype (its weight products in packed bf16)."""
+    """The gate-table backward's convention constants ``GC``: 0 the vllm convention, 1
+    transformers' with an fp32 weight, 7 with a weight of the input dtype."""
     if not hf:
         return 0
     return 7 if w_is_input else 1
 
 
-def persistent_grid(groups: int, team_log: int, per_sm: int, sm_count: int) -> int:
-    """Blocks of a persistent launch: enough for every group's team, at most the
-    resident blocks (``normspec::persistent_grid``)."""
-    per_block = pipe_block(team_log) >> team_log
-    need = (groups + per_block - 1) // per_block
-    return grid_for(min(need, per_sm * sm_count), 1)
+def fills_team(hidden: int, np_: int, vec: int, team_log: int) -> bool:
+    """Whether rows fill a team of ``2**team_log`` threads exactly with NP vectors each."""
+    return hidden == (np_ * vec) << team_log
 
 
 def col_tree_rows_out(groups: int) -> int:
@@ -231,44 +282,6 @@ def col_tree_last_launch(groups: int, hidden: int) -> tuple[int, int, tuple[int,
     p = next_pow2(groups)
     c1 = min(p, 16)
     return c1.bit_length() - 1, (p // c1).bit_length() - 1, (grid_for(hidden, 16), 1, 1)
-
-
-def row_geometry(hidden: int, vec: int, two_inputs: bool, rows: int,
-                 sm_count: int) -> tuple[int, int]:
-    """``(team_log, NP)`` of the one-row forward (``normspec::row_geometry``); ``(0, 0)``
-    for rows of more than 1024 vectors (not eligible).
-
-    Four vectors per thread for the rms norm and two for the ops with two row tensors
-    (at most 256 threads, then more passes); few rows double the team, up to one vector
-    per thread, while the teams' threads stay within ``sm_count * 1024``."""
-    nvec = (hidden + vec - 1) // vec
-    if nvec > 1024:
-        return 0, 0
-    threads = min(256, max(1, next_pow2(nvec) // (2 if two_inputs else 4)))
-    while threads < min(256, next_pow2(nvec)) and rows * threads * 2 <= sm_count * 1024:
-        threads *= 2
-    np_ = next(n for n in NPS if n * threads * vec >= hidden)
-    return threads.bit_length() - 1, np_
-
-
-def row_block(team_log: int, rows: int, sm_count: int) -> int:
-    """Threads per block of the one-row forward (``normspec::row_block``): the team from
-    64 lanes on; smaller teams share 256-thread blocks, or one-warp blocks where the
-    launch has at least 8 waves of resident threads (``sm_count * 2048 * 8``). The kernels'
-    whole-block forms take their row from ``blockIdx.x``, so a team of 64+ lanes must stay
-    one block of its own."""
-    if team_log > 5:
-        return 1 << team_log
-    if rows << team_log >= sm_count * 2048 * 8:
-        return 32
-    return 256
-
-
-def row_index_fits_32(rows: int) -> bool:
-    """Whether the one-row forward's constant forms may take `rows`: they index a row in 32
-    bits (``row_index_fits_32`` in the launcher), so more than ``2**31 - 1`` rows take the
-    general form."""
-    return rows <= 0x7FFFFFFF
 
 
 def offsets_fit_32(rows: int, hidden: int, strides: Sequence[int]) -> bool:

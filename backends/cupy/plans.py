@@ -15,21 +15,24 @@ from . import device
 from .codes import CUDA_TYPES, DT_F32, F_ALIGNED, F_HF, F_SIGMOID, F_W_IS_INPUT
 from .geometry import (
     COL_TREE_LAST_MAX,
-    backward_plan,
+    backward_plan_aligned,
     col_tree_last_launch,
     col_tree_launch,
-    grid_for,
-    persistent_grid,
-    wants_gate_table,
+    offsets_fit_32,
 )
-from .launches import (
-    backward_launch,
-    forward_launch,
-    gated_row_table_launch,
-    pipe_backward_launch,
-    pipe_forward_launch,
-    quad_forward_launch,
-    row_forward_launch,
+from .launches import kernel_name
+from .planner import (
+    K_BWD_PAIR,
+    K_BWD_PIPE,
+    K_BWD_REGISTER,
+    K_BWD_ROW,
+    K_FWD_PIPE,
+    K_FWD_QUAD,
+    K_FWD_ROW,
+    LaunchPlan,
+    PlanQuery,
+    launch_plan,
+    persistent_grid,
 )
 
 #: the flags a plan depends on (the others only travel to the kernels)
@@ -62,41 +65,28 @@ def plan_forward(cp: Any, dev: int, op: int, dt: int, rows: int, hidden: int, fl
     plan = st.plans.get(key)
     if plan is not None:
         return plan
-    if flags & F_ALIGNED:
-        # forward_t: the global gate table's forms, else the one-row forward where no
-        # gate table is wanted, else the persistent forward (its per-block table)
-        sm_count = st.sm_count(cp)
-        row = None
-        if gtab:
-            row = gated_row_table_launch(op, dt, rows, hidden, sm_count,
-                                         hf=bool(flags & F_HF),
-                                         w_is_input=bool(flags & F_W_IS_INPUT), w_raw=as_is)
-            if row is not None:
-                name, grid, block, team_log = row
-                return st.keep_plan(key, FwdPlan("gt", st.kernel(op, dt, name), grid, block,
-                                                team_log=team_log))
-        if not wants_gate_table(op, dt, rows, hidden):
-            quad = quad_forward_launch(op, dt, rows, hidden, sm_count, as_is)
-            if quad is not None:
-                name, grid, block = quad
-                return st.keep_plan(key, FwdPlan("quad", st.kernel(op, dt, name), grid,
-                                                block))
-            row = row_forward_launch(op, dt, rows, hidden, sm_count)
-        if row is not None:
-            name, grid, block, team_log = row
-            return st.keep_plan(key, FwdPlan("row", st.kernel(op, dt, name), grid, block,
-                                            team_log=team_log))
-        optin = st.smem_optin(cp)
-        pipe = pipe_forward_launch(op, dt, rows, hidden, optin)
-        if pipe is not None:
-            fn = st.kernel(op, dt, pipe.name)
-            per_sm = st.prepare_pipe_kernel(fn, (op, dt, pipe.name, pipe.smem), pipe.block,
-                                          pipe.smem, optin)
-            grid = (persistent_grid(rows, pipe.team_log, per_sm, sm_count), 1, 1)
-            return st.keep_plan(key, FwdPlan("pipe", fn, grid, (pipe.block, 1, 1), pipe.smem,
-                                            pipe.team_log, pipe.table))
-    name, grid, block = forward_launch(op, dt, rows, hidden)
-    return st.keep_plan(key, FwdPlan("reg", st.kernel(op, dt, name), grid, block))
+    sms, optin = st.sm_count(cp), st.smem_optin(cp)
+    p = launch_plan(PlanQuery(op, dt, False, rows, hidden, aligned=bool(flags & F_ALIGNED),
+                              w_raw=as_is, hf=bool(flags & F_HF),
+                              w_is_input=bool(flags & F_W_IS_INPUT), global_table=gtab,
+                              sms=sms, smem_optin=optin))
+    fn, grid = _kernel_and_grid(st, op, dt, p, sms, optin)
+    form = {K_FWD_ROW: "gt" if p.gt_form else "row", K_FWD_QUAD: "quad",
+            K_FWD_PIPE: "pipe"}.get(p.kernel, "reg")
+    return st.keep_plan(key, FwdPlan(form, fn, grid, (p.block_x, p.block_y, 1), p.smem,
+                                     p.team_log, p.table))
+
+
+def _kernel_and_grid(st: Any, op: int, dt: int, p: LaunchPlan, sms: int, optin: int
+                     ) -> tuple[Any, tuple[int, int, int]]:
+    """The plan's kernel, loaded, and its grid: a persistent plan's after the kernel's
+    occupancy query (``persistent_grid``)."""
+    name = kernel_name(op, dt, p)
+    fn = st.kernel(op, dt, name)
+    if not p.persistent:
+        return fn, (p.grid, 1, 1)
+    per_sm = st.prepare_pipe_kernel(fn, (op, dt, name, p.smem), p.block_x, p.smem, optin)
+    return fn, (persistent_grid(p, per_sm, sms), 1, 1)
 
 
 class TreePlan(NamedTuple):
@@ -157,30 +147,21 @@ def plan_backward(cp: Any, dev: int, op: int, dt: int, wdt: int, rows: int, hidd
     plan = st.plans.get(key)
     if plan is not None:
         return plan
-    sms = st.sm_count(cp)
-    pipe = None
-    if flags & F_ALIGNED:
-        optin = st.smem_optin(cp)
-        pipe = pipe_backward_launch(op, dt, rows, hidden, sms, optin, strides, saved=saved,
-                                    hf=bool(flags & F_HF),
-                                    w_is_input=bool(flags & F_W_IS_INPUT))
-    if pipe is not None:
-        name, glog, groups, table, (block, smem, team_log) = pipe
-        fn = st.kernel(op, dt, name)
-        if pipe.kind == "row":  # a team per row: no persistent grid, no stacks
-            grid = (grid_for(rows, block >> team_log), 1, 1)
-        else:  # the persistent kernels: their resident blocks per SM
-            per_sm = st.prepare_pipe_kernel(fn, (op, dt, name, smem), block, smem, optin)
-            grid = (persistent_grid(groups, team_log, per_sm, sms), 1, 1)
-        final = groups == 1 and dt != DT_F32 and wdt == dt
-        tree = None if final else plan_tree(dev, op, dt, wdt, groups, hidden)
-        return st.keep_plan(key, BwdPlan(pipe.kind, fn, grid, (block, 1, 1), smem, team_log,
-                                        glog, groups, table, False, final, tree))
-    glog, groups = backward_plan(dt, rows, hidden, sms)
-    name, grid, block3, takes_glog = backward_launch(op, dt, rows, hidden, groups)
-    return st.keep_plan(key, BwdPlan("reg", st.kernel(op, dt, name), grid, block3, 0, 0,
-                                    glog, groups, False, takes_glog, False,
-                                    plan_tree(dev, op, dt, wdt, groups, hidden)))
+    sms, optin = st.sm_count(cp), st.smem_optin(cp)
+    aligned = bool(flags & F_ALIGNED)
+    groups = backward_plan_aligned(dt, rows, hidden, aligned, sms, optin)
+    p = launch_plan(PlanQuery(op, dt, True, rows, hidden, aligned=aligned,
+                              hf=bool(flags & F_HF), w_is_input=bool(flags & F_W_IS_INPUT),
+                              saved_rstd=saved,
+                              offsets_fit_32=offsets_fit_32(rows, hidden, strides), sms=sms,
+                              smem_optin=optin, groups=groups))
+    fn, grid = _kernel_and_grid(st, op, dt, p, sms, optin)
+    form = {K_BWD_ROW: "row", K_BWD_PAIR: "pair", K_BWD_PIPE: "pipe"}.get(p.kernel, "reg")
+    final = bool(groups.pipe) and p.groups == 1 and dt != DT_F32 and wdt == dt
+    tree = None if final else plan_tree(dev, op, dt, wdt, p.groups, hidden)
+    return st.keep_plan(key, BwdPlan(form, fn, grid, (p.block_x, p.block_y, 1), p.smem,
+                                     p.team_log, p.glog, p.groups, p.table,
+                                     p.kernel == K_BWD_REGISTER, final, tree))
 
 
 def tree_follows(groups: int, weight_dtype_code: int) -> bool:
