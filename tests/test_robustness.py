@@ -325,3 +325,24 @@ def test_conformance_explains_its_failed_lines_and_names_the_backend(registered,
     assert rc == 0  # no --require: the levels are reported, not judged
     assert "failed checks (up to 5" in out and "'crash' lines" in out
     assert "cpu_fp32 two-outputs-test: crash case=" in out
+
+
+def test_check_on_a_broken_plugin_is_one_error_line(plugin_entry, monkeypatch, capsys):
+    entry = plugin_entry("bad_ops")
+    known = registry.entries()
+    monkeypatch.setattr(registry, "entries", lambda refresh=False: {**known, entry.name: entry})
+    rc, out = _main(capsys, "check", "--backend", entry.name, "--op", "rms_norm",
+                    "--profile", "cpu_fp32")
+    assert rc == 2 and out.startswith("error: backend 'bad_ops-plugin' is broken")
+    assert "Traceback" not in out
+
+
+def test_check_names_the_variants_it_skipped(registered, capsys):
+    class _OffsetOne(_Spec):
+        name = "offset-one-test"
+        ops = {"rms_norm": OpSupport(backward="none", params={"offset": (1.0,)})}
+
+    registered(_OffsetOne())
+    rc, out = _main(capsys, "check", "--backend", "offset-one-test", "--op", "rms_norm",
+                    "--profile", "cpu_fp32", "--quick")
+    assert rc == 0 and "skipped offset=0.0:" in out

@@ -108,6 +108,9 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
                   f"gradient={level['gradient']}")
     for line in distance_lines(result):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for variant, why in (result.get("skipped_variants") or {}).items():
+        console.print(f"  skipped {variant}: {why}", markup=False, highlight=False,
+                      soft_wrap=True)
     for line in _failed_lines(result):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for gate, outcome in result.get("contract_gates", {}).items():
@@ -491,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "train-rollout": _cmd_train_rollout}
     try:
         return handlers[args.command](args, console)
+    except registry.BrokenBackendError as exc:
+        console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     except (registry.UnknownBackendError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

@@ -41,6 +41,7 @@ __all__ = [
     "PLUGIN_LIMIT_S",
     "Backend",
     "BackendEntry",
+    "BrokenBackendError",
     "OpSupport",
     "UnknownBackendError",
     "call_limited",
@@ -78,6 +79,10 @@ class UnknownBackendError(KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
         return str(self.args[0])
+
+
+class BrokenBackendError(RuntimeError):
+    """The named backend's plugin failed to load (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -351,7 +356,7 @@ def get_backend(name: str) -> Backend:
 
     Raises:
         UnknownBackendError: no such name; the message lists the installed ones.
-        RuntimeError: the plugin is broken (its import error is in the message).
+        BrokenBackendError: the plugin is broken (its import error is in the message).
     """
     known = entries()
     if name not in known:
@@ -360,7 +365,7 @@ def get_backend(name: str) -> Backend:
         )
     backend = known[name].load()
     if backend is None:
-        raise RuntimeError(f"backend {name!r} is broken: {known[name].broken}")
+        raise BrokenBackendError(f"backend {name!r} is broken: {known[name].broken}")
     return backend
 
 
