@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +15,6 @@ from normspec.spec.arithmetic import same_bits
 from normspec.workers import usable_cores
 
 HAS_CUDA = torch.cuda.is_available()
-LAUNCH_PROBE = Path(__file__).resolve().parent / "launch_probe"
-CSRC = Path(__file__).resolve().parents[1] / "backends" / "csrc"
 
 
 def pytest_configure(config):
@@ -40,43 +36,6 @@ def _no_kept_cupy_launch_plans():
     backend = sys.modules.get("normspec.backends.cupy")
     if backend is not None:
         backend.clear_launch_plans()
-
-
-@pytest.fixture(scope="session")
-def launch_probe(tmp_path_factory) -> Path:
-    """tests/launch_probe/launch_probe.cu built for the host against fake_cudart.cpp (a
-    recording stand-in for the CUDA runtime): the torch-free launcher's plans and
-    launches, printed without a GPU. Built once a session, or kept under
-    ``$NORMSPEC_BUILD_DIR`` by a digest of its flags, its sources and the kernels';
-    skipped without nvcc.
-
-    Its device code is never run, only the host's launches recorded, so NVVM does not
-    optimize it (``-Xcicc -O0``): the build is several times faster and the probe's
-    output the same."""
-    import hashlib
-
-    from test_cuda_sources import NVCC
-
-    if NVCC is None:
-        pytest.skip("nvcc not found")
-    sources = [LAUNCH_PROBE / "launch_probe.cu", LAUNCH_PROBE / "fake_cudart.cpp"]
-    flags = ["-std=c++17", "-arch=compute_90", "-code=compute_90", "-cudart", "none",
-             "-Xcicc", "-O0"]
-    digest = hashlib.sha256(" ".join([NVCC, *flags]).encode())
-    for path in sorted([*sources, *(p for p in CSRC.rglob("*") if p.is_file())]):
-        digest.update(path.name.encode() + path.read_bytes())
-    name = f"launch_probe-{digest.hexdigest()[:16]}"
-    kept = os.environ.get("NORMSPEC_BUILD_DIR")
-    exe = Path(kept) / name if kept else tmp_path_factory.mktemp("launch_probe") / name
-    if exe.exists():
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    part = exe.with_name(f"{name}.{os.getpid()}.part")
-    cmd = [NVCC, *flags, "-I", str(CSRC), *map(str, sources), "-o", str(part)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    os.replace(part, exe)
-    return exe
 
 
 def pytest_collection_modifyitems(config, items):

@@ -935,8 +935,8 @@ def test_modules_split_each_op_and_dtype_by_direction():
 
 
 def test_launch_shapes():
-    """The dweight tree's launches, and how many kernels each module holds (every one a
-    plan can pick: tests/test_launch_plan.py checks the plans' kernels are among them)."""
+    """The dweight tree's launches; each module's kernels are listed once (that every one
+    a plan can pick is among them, tests/test_launch_plan.py checks)."""
     assert cb.geometry.col_tree_launch(100003, 64) == (6251, 4, (1, 6251, 1))
     assert cb.geometry.col_tree_launch(3, 5000) == (1, 2, (20, 1, 1))
     assert cb.geometry.col_tree_last_launch(1, 2048) == (0, 0, (128, 1, 1))
@@ -946,20 +946,8 @@ def test_launch_shapes():
     for op in (0, 1, 2, 3):
         for dt in (0, 1, 2):
             names = cb.name_expressions(op, dt)
-            # forward: 3 general one-row forms, 8 + 5 constant ones, 3 register, 1 streaming,
-            # 3 general persistent ones, and for 16-bit rms and fused the 2 quad forms;
-            # backward: 3 register, 1 streaming, 2 x (3 general + 4 constant) pipelined
-            # (recomputing and reading the saved rstd), the rms norm's 2 x 5 one-row
-            # forms; the tree kernel and the last one for an fp32 weight and, but for
-            # fp32 rows, one of x's dtype; bf16 gated: the global gate table's fill, its
-            # 5 x 5 GT row forms, 2 x 4 constant persistent forward forms, 6 + 6 gate-table
-            # backward forms (pipelined, pair);
-            # OP_FUSED_SUM: the backward alone
-            quad = 2 if op in (OP_RMS, OP_FUSED) and dt != DT_F32 else 0
-            forward = 0 if op == OP_FUSED_SUM else 23 + quad
-            extra = {OP_RMS: 10, OP_GATED: 46 if dt == DT_BF16 else 0}.get(op, 0)
-            tree = 2 if dt == DT_F32 else 3
-            assert len(names) == len(set(names)) == forward + 18 + tree + extra
+            assert len(names) == len(set(names))
+            assert "normspec_col_tree_kernel" in names
             if op == OP_FUSED_SUM:
                 assert not any(n.startswith("normspec_fwd") for n in names)
 

@@ -1071,7 +1071,7 @@ __global__ void __launch_bounds__(256, row_min_blocks(OP, FULL_TL, GT))
 // row; 128: LL 5, one warp) with a weight of the input dtype, four elements a lane (8-byte
 // loads and stores) instead of the one-pass warp teams' eight, torch.compile's shape for
 // few q/k rows. A lane's chain from its loads to its store is about half as long; the
-// launcher takes it for launches of few rows (launch_quad in normspec_launch_impl.cuh),
+// launch plan takes it for launches of few rows (quad_lanes_log in normspec_plan.h),
 // since with more the second warp's instructions cost more than the shorter chain saves.
 // The same tree: each lane's four squares in two levels, five shuffle levels a warp, and
 // with two warps their sums from shared memory, the left warp's first.

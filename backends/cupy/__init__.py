@@ -14,8 +14,8 @@ Without it the modules are cached in ``$CUPY_CACHE_DIR/normspec``, else in
 ``~/.cupy/kernel_cache/normspec``. ``$MAX_JOBS`` caps the NVRTC compiles run at once.
 
 Modules, one job each: ``codes`` (the kernels' operator, dtype and flag codes),
-``geometry`` and ``launches`` (the launch plan, the Python twin of
-``normspec_launch_impl.cuh``; ``launches`` also lists each module's kernels), ``nvrtc``
+``geometry`` and ``planner`` (the launch plan, the Python twin of ``normspec_plan.h``),
+``launches`` (each plan's kernel by name, each module's kernels), ``nvrtc``
 (compile and disk cache), ``device`` (per-device state: modules, properties, kept plans),
 ``driver`` (argument packing, ``cuLaunchKernelEx``), ``arrays`` (torch and CuPy inputs),
 ``plans`` (a call's launches, kept per shape), ``run`` (one call's launches), ``ops``

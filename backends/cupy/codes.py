@@ -1,8 +1,8 @@
 """The codes the kernels take: operators, dtypes, flags, and the launcher's constants.
 
-The values are those of ``normspec_arith.h``, ``normspec_launch.h`` and
-``normspec_launch_impl.cuh`` in ``backends/csrc``; the CuPy backend passes them to the
-same kernels the torch extension launches.
+The values are those of ``normspec_arith.h`` and ``normspec_plan.h`` in
+``backends/csrc``; the CuPy backend passes them to the same kernels the torch extension
+launches.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ OP_FUSED_SUM = 3
 OP_CODES = {"rms_norm": OP_RMS, "fused_add_rms_norm": OP_FUSED, "rms_norm_gated": OP_GATED}
 F_OFFSET, F_ROUNDED, F_HF, F_SIGMOID, F_W_IS_INPUT, F_ALIGNED = 1, 2, 4, 8, 16, 32
 F_GATE_TABLE, F_W_RAW, F_DW_FINAL, F_LET_DEPENDENTS = 64, 128, 256, 512
-# normspec_launch_impl.cuh: static shared memory kept free, the gate table's slots and
-# the smallest launch that fills it, the plan's stack budget per block
+# normspec_plan.h: static shared memory kept free, the gate table's slots and the
+# smallest launch that fills it, the plan's stack budget per block and levels
 STATIC_SMEM_ROOM = 2048
 GATE_TABLE_SLOTS = 8192
 GATE_TABLE_MIN_ELEMENTS = 1 << 20
