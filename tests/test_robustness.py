@@ -346,3 +346,21 @@ def test_check_names_the_variants_it_skipped(registered, capsys):
     rc, out = _main(capsys, "check", "--backend", "offset-one-test", "--op", "rms_norm",
                     "--profile", "cpu_fp32", "--quick")
     assert rc == 0 and "skipped offset=0.0:" in out
+
+
+class _Sleeps(_Spec):
+    name = "sleeps-test"
+
+    def twist(self, out, rows):
+        import time
+
+        time.sleep(30)
+        return out
+
+
+def test_a_case_that_hangs_is_a_crash_after_the_limit(monkeypatch):
+    monkeypatch.setattr(harness, "CASE_LIMIT_S", 0.5)
+    result = harness.check(_Sleeps(), "rms_norm", get_profile("cpu_fp32"), quick=True,
+                           seeds=1)
+    assert result["level"]["forward"] == "fails"
+    assert "did not finish within 0.5 s" in result["contract_gates"]["forward"]["failed_lines"][0]
