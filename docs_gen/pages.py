@@ -123,6 +123,24 @@ for convention in ("vllm", "hf"):
 }
 
 
+#: Changes to what the spec means (not to how it is computed), newest first; each with the
+#: normspec version it came in. Reports written before a change may disagree with it.
+SPEC_CHANGES: tuple[tuple[str, str], ...] = (
+    ("0.1.0", "`eps` and `offset` are checked as the fp32 values the arithmetic uses: an "
+              "`eps` that rounds to 0 or to inf, or an `offset` that rounds to inf, is an "
+              "error (before, a zero row gave NaN, or every output was 0 or ±inf)."),
+    ("0.1.0", "Bitwise equality tells `-0.0` from `+0.0` (a kernel must produce the spec's "
+              "sign of zero). The committed CPU reports predate this rule and may count "
+              "such elements as equal."),
+)
+
+
+def changes_section() -> list[str]:
+    lines = ["## Changes", "", "| since | change |", "| --- | --- |"]
+    lines += [f"| {version} | {text} |" for version, text in SPEC_CHANGES]
+    return [*lines, ""]
+
+
 def example_section(name: str) -> list[str]:
     """The operator's example and the output it printed when the docs were built."""
     import contextlib as _contextlib
@@ -207,6 +225,7 @@ def operator_page(
         levels_table(),
         render_conformance(name, reports),
     ]
+    lines += changes_section()
     if heatmaps:
         lines += ["## Divergence between backends", ""]
         for src in heatmaps:

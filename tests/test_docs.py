@@ -559,6 +559,7 @@ def test_each_page_kind_has_a_screenshot(kind, site, server, tmp_path):
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_operator_pages_show_a_runnable_example_with_its_output(op):
     md = pages.operator_page(op, [])
+    assert "## Changes" in md and "-0.0" in md[md.index("## Changes"):]
     example = md[md.index("## Example"):]
     printed = example.split("```text", 1)[1].split("```", 1)[0].strip().splitlines()
     assert len(printed) >= 2 and all("[" in line for line in printed)
