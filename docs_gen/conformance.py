@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from normspec.conformance import percent_floor
 from normspec.profiles import PROFILES
 from normspec.report import KIND, ReportError, read_report
 
@@ -125,8 +125,7 @@ def _forward_distance(result: Mapping[str, Any]) -> str:
         return ""
     equal = min(s.get("min_equal_fraction", 0.0) for s in stats.values())
     rel = max(s.get("max_rel", 0.0) or 0.0 for s in stats.values())
-    # floored, so that 99.999 % never reads as 100
-    shown = "100" if equal == 1.0 else f"{math.floor(10000 * equal) / 100:.2f}"
+    shown = "100" if equal == 1.0 else percent_floor(equal)
     return f"{shown} % equal, max rel {rel:.2g}"
 
 

@@ -22,6 +22,7 @@ from .conformance import (
     distance_table,
     not_run,
     parse_requirements,
+    percent_floor,
     requirement_failures,
     run_conformance,
     summary_table,
@@ -134,7 +135,7 @@ def distance_lines(result: dict) -> list[str]:
             equal = st.get("min_equal_fraction")
             lines.append(
                 f"  {gate} {tensor}: "
-                + ("" if equal is None else f"{100 * equal:.2f} % bitwise equal, ")
+                + ("" if equal is None else f"{percent_floor(equal)} % bitwise equal, ")
                 + f"max ulp {st.get('max_ulp')}, max abs {_num(st.get('max_abs'))}, "
                 f"max rel {_num(st.get('max_rel'))}")
     return lines

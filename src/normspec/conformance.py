@@ -25,6 +25,7 @@ __all__ = [
     "distance_table",
     "not_run",
     "parse_requirements",
+    "percent_floor",
     "previous_seconds",
     "profiles_for",
     "requirement_failures",
@@ -230,6 +231,12 @@ def summary_table(reports: list[dict[str, Any]]) -> Table:
     return table
 
 
+def percent_floor(fraction: float) -> str:
+    """``fraction`` as a percentage with two decimals, floored, so that 99.999 % never
+    reads as 100.00 % (only an exact 1.0 does)."""
+    return "100.00" if fraction == 1.0 else f"{math.floor(10000 * fraction) / 100:.2f}"
+
+
 def distance_table(reports: list[dict[str, Any]]) -> Table:
     """How far each backend that is not exact is from the spec: per report, gate and output,
     the least fraction of bitwise-equal elements over the cases, the largest ulp distance
@@ -248,7 +255,7 @@ def distance_table(reports: list[dict[str, Any]]) -> Table:
                     equal = st.get("min_equal_fraction")
                     rel = st.get("max_rel")
                     table.add_row(name, r["profile"], r["op"], f"{gate} {tensor}",
-                                  "" if equal is None else f"{100 * equal:.2f} %",
+                                  "" if equal is None else f"{percent_floor(equal)} %",
                                   str(st.get("max_ulp")),
                                   f"{rel:.3g}" if isinstance(rel, float) else str(rel))
     return table
