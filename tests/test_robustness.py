@@ -364,3 +364,18 @@ def test_a_case_that_hangs_is_a_crash_after_the_limit(monkeypatch):
                            seeds=1)
     assert result["level"]["forward"] == "fails"
     assert "did not finish within 0.5 s" in result["contract_gates"]["forward"]["failed_lines"][0]
+
+
+def test_a_partial_run_never_drops_backends_from_existing_reports(capsys, tmp_path):
+    """Reports are rewritten whole: a run of one backend into a folder whose reports hold
+    others is refused up front, naming what it would drop."""
+    assert _main(capsys, "conformance", "--device", "cpu", "--quick", "--backend", "reference",
+                 "--backend", "torch_ext", "--op", "rms_norm", "--profile", "cpu_fp32",
+                 "--out", str(tmp_path))[0] == 0
+    report = tmp_path / "cpu_fp32" / "rms_norm.json"
+    before = report.read_text()
+    rc, out = _main(capsys, "conformance", "--device", "cpu", "--quick", "--backend",
+                    "reference", "--op", "rms_norm", "--profile", "cpu_fp32",
+                    "--out", str(tmp_path))
+    assert rc == 2 and out.startswith(f"error: --out: {report} holds torch_ext")
+    assert report.read_text() == before

@@ -23,6 +23,7 @@ from .conformance import (
     not_run,
     parse_requirements,
     percent_floor,
+    reports_it_would_shrink,
     requirement_failures,
     run_conformance,
     summary_table,
@@ -189,6 +190,14 @@ def _cmd_conformance(args: argparse.Namespace, console: Console) -> int:
     _require_device(device, "--device")
     required = parse_requirements(args.require or [])
     out_dir = _output_dir(args.out, "--out")
+    if args.backend:
+        lost = reports_it_would_shrink(out_dir, device, args.backend, args.op, args.profile)
+        if lost:
+            path, dropped = next(iter(lost.items()))
+            raise ValueError(
+                f"--out: {path} holds {', '.join(dropped)}, which a run of only "
+                f"{', '.join(args.backend)} would drop ({len(lost)} report(s) so); run "
+                "every backend into it, or write this run elsewhere (e.g. --out results)")
     # what will run and why the others cannot (the statuses are kept: run_conformance's are
     # free); an unknown --backend raises here, before the table, naming the installed ones
     console.print(_backends_table(args.backend))

@@ -28,6 +28,7 @@ __all__ = [
     "percent_floor",
     "previous_seconds",
     "profiles_for",
+    "reports_it_would_shrink",
     "requirement_failures",
     "run_conformance",
     "summary_table",
@@ -48,6 +49,27 @@ def profiles_for(device: str) -> list[Profile]:
     if not found:
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     return found
+
+
+def reports_it_would_shrink(out_dir: Path, device: str, backends: Sequence[str],
+                            ops: Sequence[str] | None = None,
+                            profiles: Sequence[str] | None = None) -> dict[Path, list[str]]:
+    """The reports under ``out_dir`` that a run of only ``backends`` would rewrite without
+    some of the backends they hold (a report is one file per op and profile, rewritten
+    whole), each with the backends it would lose."""
+    names = [p.name for p in profiles_for(device)] if not profiles else list(profiles)
+    lost: dict[Path, list[str]] = {}
+    for profile in names:
+        for op in ops or OPS:
+            path = Path(out_dir) / profile / f"{op}.json"
+            try:
+                held = json.loads(path.read_text()).get("results") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            dropped = sorted(set(held) - set(backends))
+            if dropped:
+                lost[path] = dropped
+    return lost
 
 
 def run_conformance(
