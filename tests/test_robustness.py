@@ -188,6 +188,11 @@ PLUGINS = {
         import time
         time.sleep(30)
     """,
+    "signals": """
+        import signal
+        signal.signal(signal.SIGUSR1, signal.getsignal(signal.SIGUSR1))  # main thread only
+        from normspec.backends.reference import backend
+    """,
 }
 
 
@@ -203,6 +208,13 @@ def plugin_entry(tmp_path, monkeypatch):
         return BackendEntry(ep.name, "test", _entry_point=ep)
 
     return make
+
+
+def test_a_plugin_is_imported_in_the_calling_thread(plugin_entry):
+    """Imports that install signal handlers work only in the main thread: the time limit
+    interrupts it instead of moving the import elsewhere."""
+    entry = plugin_entry("signals")
+    assert entry.load() is not None, entry.broken
 
 
 def test_the_entry_point_name_is_the_backend_s_identity(plugin_entry):

@@ -17,10 +17,6 @@ Every failing comparison becomes one line in ``failed_lines``.
 
 from __future__ import annotations
 
-import _thread
-import contextlib
-import signal
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +27,7 @@ import torch
 from normspec.spec.arithmetic import tree_sum
 
 from .gates import Comparison, compare, identical, level_of
+from .limits import interrupt_after
 from .ops import OpDef, Sample, get_op, variant_name
 from .profiles import Profile
 from .registry import Backend
@@ -294,33 +291,6 @@ def _check_case(backend: Backend, op: OpDef, profile: Profile, case: Case, fwd: 
 CASE_LIMIT_S = 600.0
 
 
-@contextlib.contextmanager
-def case_limit(seconds: float) -> Iterator[Callable[[], bool]]:
-    """Interrupt the main thread (``KeyboardInterrupt``) once ``seconds`` have passed, and
-    yield a function that says whether that happened. A case stuck inside native code that
-    never returns to Python cannot be interrupted so; ``--jobs`` workers contain those."""
-    fired = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield fired.is_set
-        return
-
-    def interrupt() -> None:
-        fired.set()
-        # a real SIGINT also ends a blocking call (sleep, a lock) in the main thread
-        if hasattr(signal, "pthread_kill"):
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        else:  # pragma: no cover - not POSIX
-            _thread.interrupt_main()
-
-    timer = threading.Timer(seconds, interrupt)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield fired.is_set
-    finally:
-        timer.cancel()
-
-
 def check(
     backend: Backend,
     op_name: str,
@@ -356,7 +326,7 @@ def check(
             skipped[variant_name(case.params)] = why
         else:
             try:
-                with case_limit(CASE_LIMIT_S) as timed_out:
+                with interrupt_after(CASE_LIMIT_S) as timed_out:
                     _check_case(backend, op, profile, case, fwd, grad, support.backward)
             # whatever a backend did, sys.exit() included, the others still run
             except (Exception, SystemExit) as exc:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import threading
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,6 +32,7 @@ import torch
 
 from normspec.spec.validation import check_eps, check_input, check_like, check_weight
 
+from .limits import interrupt_after
 from .ops import OPS, Params
 from .progress import say
 
@@ -248,31 +248,20 @@ PLUGIN_NOTICE_S = 15.0
 
 
 def call_limited(fn: Any, what: str, limit: float | None = None) -> Any:
-    """``fn()``, in a daemon thread so that a plugin that hangs cannot stall the caller past
-    ``limit`` seconds (default [`PLUGIN_LIMIT_S`][normspec.registry.PLUGIN_LIMIT_S]):
-    then ``TimeoutError``. A line on stderr says what is waited for once it takes long.
-    ``fn``'s exception (``SystemExit`` included) is raised here."""
+    """``fn()``, given up with ``TimeoutError`` after ``limit`` seconds (default
+    [`PLUGIN_LIMIT_S`][normspec.registry.PLUGIN_LIMIT_S]) where it runs in the main
+    thread, with a line on stderr once it takes long. ``fn``'s exception (``SystemExit``
+    included) is raised as it is."""
     limit = PLUGIN_LIMIT_S if limit is None else limit
-    box: dict[str, Any] = {}
-
-    def target() -> None:
+    notice = (f"normspec: waiting for {what} (it has taken {PLUGIN_NOTICE_S:.0f} s; "
+              f"the limit is {limit:.0f} s)")
+    with interrupt_after(limit, notice, PLUGIN_NOTICE_S) as fired:
         try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"normspec {what}", daemon=True)
-    thread.start()
-    thread.join(min(PLUGIN_NOTICE_S, limit))
-    if thread.is_alive():
-        say(f"normspec: waiting for {what} (it has taken {PLUGIN_NOTICE_S:.0f} s; "
-            f"the limit is {limit:.0f} s)")
-        thread.join(max(0.0, limit - PLUGIN_NOTICE_S))
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not return within {limit:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+            return fn()
+        except KeyboardInterrupt:
+            if not fired():
+                raise  # the user's Ctrl-C
+            raise TimeoutError(f"{what} did not return within {limit:g} s") from None
 
 
 def check_registration(backend: Backend) -> None:
