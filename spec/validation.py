@@ -1,17 +1,22 @@
-"""Input validation shared by the spec operators.
+"""Input validation shared by the spec operators and the backends.
 
 Every error names the argument, what was seen and what was expected, so that
-a failing call in a trainer or a rollout engine explains itself.
+a failing call in a trainer or a rollout engine explains itself. The array checks read
+torch tensors by default; a backend taking another kind of array (the cupy backend's CuPy
+arrays) passes an :class:`ArrayKind` that says how to read it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-#: Input dtypes every operator accepts.
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The input dtypes every operator accepts, as every kind of array spells them.
+INPUT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: The gated norm's two upstream conventions.
 GATED_CONVENTIONS = ("vllm", "hf")
 #: Activations of the gated norm.
@@ -20,58 +25,109 @@ ACTIVATIONS = ("silu", "sigmoid")
 RESIDUAL_SUMS = ("fp32", "rounded")
 
 
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+@dataclass(frozen=True)
+class ArrayKind:
+    """How the checks read one kind of array.
+
+    ``noun`` names the kind in errors ("a torch.Tensor"); ``accepts`` tells whether an
+    object is of the kind; ``dtype`` gives an array's dtype as a plain name ("bfloat16"),
+    ``shown_dtype`` as errors print it; ``device`` gives its device as a string
+    ("cuda:0"); ``contiguous`` whether its elements are dense in row-major order.
+    """
+
+    noun: str
+    accepts: Callable[[object], bool]
+    dtype: Callable[[Any], str]
+    shown_dtype: Callable[[Any], str]
+    device: Callable[[Any], str]
+    contiguous: Callable[[Any], bool]
 
 
-def check_input(name: str, x: object) -> torch.Tensor:
-    """``x`` must be a floating tensor of at least one dimension and ``H >= 1``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype in ({_names(INPUT_DTYPES)}), got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] < 1:
+#: torch tensors, the kind every spec operator takes.
+TORCH_TENSORS = ArrayKind(
+    noun="a torch.Tensor",
+    accepts=lambda obj: isinstance(obj, torch.Tensor),
+    dtype=lambda t: str(t.dtype).removeprefix("torch."),
+    shown_dtype=lambda t: str(t.dtype),
+    device=lambda t: str(t.device),
+    contiguous=lambda t: t.is_contiguous(),
+)
+
+
+def _type_name(obj: object) -> str:
+    return type(obj).__name__
+
+
+def _expect_kind(name: str, obj: object, kind: ArrayKind) -> None:
+    if not kind.accepts(obj):
+        raise TypeError(f"{name}: expected {kind.noun}, got {_type_name(obj)}")
+
+
+def check_input(name: str, x: Any, kind: ArrayKind = TORCH_TENSORS) -> Any:
+    """``x`` must be a floating array of at least one dimension and ``H >= 1``."""
+    _expect_kind(name, x, kind)
+    if kind.dtype(x) not in INPUT_DTYPE_NAMES:
+        raise TypeError(f"{name}: expected dtype in ({', '.join(INPUT_DTYPE_NAMES)}), "
+                        f"got {kind.shown_dtype(x)}")
+    if len(x.shape) < 1 or x.shape[-1] < 1:
         raise ValueError(
             f"{name}: expected shape (..., H) with H >= 1, got {tuple(x.shape)}"
         )
     return x
 
 
-def check_like(name: str, t: object, x: torch.Tensor, x_name: str = "x") -> torch.Tensor:
-    """``t`` must have ``x``'s shape, dtype and device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+def check_like(name: str, t: Any, x: Any, x_name: str = "x",
+               kind: ArrayKind = TORCH_TENSORS) -> Any:
+    """``t`` must have ``x``'s kind, shape, dtype and device."""
+    _expect_kind(name, t, kind)
     if tuple(t.shape) != tuple(x.shape):
         raise ValueError(
             f"{name}: expected the shape of {x_name}, {tuple(x.shape)}, got {tuple(t.shape)}"
         )
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name}: expected the dtype of {x_name}, {x.dtype}, got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(
-            f"{name}: expected the device of {x_name}, {x.device}, got {t.device}"
-        )
+    if kind.dtype(t) != kind.dtype(x):
+        raise TypeError(f"{name}: expected the dtype of {x_name}, {kind.shown_dtype(x)}, "
+                        f"got {kind.shown_dtype(t)}")
+    _expect_device(name, t, x, x_name, kind)
     return t
 
 
-def check_weight(weight: object, x: torch.Tensor) -> torch.Tensor:
+def check_weight(weight: Any, x: Any, kind: ArrayKind = TORCH_TENSORS) -> Any:
     """``weight`` must be 1-D of length ``H``, fp32 or ``x``'s dtype, on ``x``'s device."""
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
+    _expect_kind("weight", weight, kind)
     hidden = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != hidden:
+    if len(weight.shape) != 1 or weight.shape[0] != hidden:
         raise ValueError(
             f"weight: expected shape ({hidden},) to match x's last dimension, "
             f"got {tuple(weight.shape)}"
         )
-    allowed = (torch.float32, x.dtype)
-    if weight.dtype not in allowed:
-        raise TypeError(
-            f"weight: expected dtype float32 or x's dtype ({x.dtype}), got {weight.dtype}"
-        )
-    if weight.device != x.device:
-        raise ValueError(f"weight: expected the device of x, {x.device}, got {weight.device}")
+    if kind.dtype(weight) not in ("float32", kind.dtype(x)):
+        raise TypeError(f"weight: expected dtype float32 or x's dtype ({kind.shown_dtype(x)}), "
+                        f"got {kind.shown_dtype(weight)}")
+    _expect_device("weight", weight, x, "x", kind)
     return weight
+
+
+def check_rstd(rstd: Any, x: Any, kind: ArrayKind = TORCH_TENSORS) -> Any:
+    """A forward's ``rstd`` handed to a backward: float32, ``x``'s shape without its last
+    dimension, contiguous, on ``x``'s device."""
+    _expect_kind("rstd", rstd, kind)
+    if kind.dtype(rstd) != "float32":
+        raise TypeError(f"rstd: expected dtype float32, got {kind.dtype(rstd)}")
+    want = tuple(x.shape[:-1])
+    if tuple(rstd.shape) != want:
+        raise ValueError("rstd: expected the shape of x without its last dimension, "
+                         f"{want}, got {tuple(rstd.shape)}")
+    if not kind.contiguous(rstd):
+        raise ValueError("rstd: expected a contiguous array")
+    _expect_device("rstd", rstd, x, "x", kind)
+    return rstd
+
+
+def _expect_device(name: str, t: Any, x: Any, x_name: str, kind: ArrayKind) -> None:
+    if kind.device(t) != kind.device(x):
+        raise ValueError(
+            f"{name}: expected the device of {x_name}, {kind.device(x)}, got {kind.device(t)}"
+        )
 
 
 def as_fp32(value: float) -> float:

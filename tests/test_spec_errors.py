@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from normspec import spec
+from normspec.spec import validation
 
 X = torch.randn(4, 8)
 W = torch.ones(8)
@@ -68,3 +69,46 @@ def test_zero_rows_are_fine():
 def test_the_smallest_fp32_eps_is_accepted():
     y = spec.rms_norm(torch.zeros(2, 8), W, eps=1.4e-45)
     assert torch.isfinite(y).all()
+
+
+class _Rows:
+    """A stand-in for another library's arrays: a shape, a dtype name, a device number."""
+
+    def __init__(self, shape, dtype="float32", device=0, dense=True):
+        self.shape, self.dtype, self.device, self.dense = tuple(shape), dtype, device, dense
+
+
+_ROWS = validation.ArrayKind(
+    noun="a _Rows", accepts=lambda o: isinstance(o, _Rows), dtype=lambda a: a.dtype,
+    shown_dtype=lambda a: a.dtype, device=lambda a: f"cuda:{a.device}",
+    contiguous=lambda a: a.dense)
+
+
+@pytest.mark.parametrize(("call", "error", "words"), [
+    (lambda x: validation.check_input("x", torch.ones(2, 4), _ROWS), TypeError,
+     "x: expected a _Rows, got Tensor"),
+    (lambda x: validation.check_input("x", _Rows((2, 4), "int8"), _ROWS), TypeError,
+     "x: expected dtype in (float32, bfloat16, float16), got int8"),
+    (lambda x: validation.check_input("x", _Rows((2, 0)), _ROWS), ValueError,
+     "x: expected shape (..., H) with H >= 1, got (2, 0)"),
+    (lambda x: validation.check_like("gate", _Rows((2, 4), device=1), x, kind=_ROWS),
+     ValueError, "gate: expected the device of x, cuda:0, got cuda:1"),
+    (lambda x: validation.check_like("dy", _Rows((2, 4), "float16"), x, kind=_ROWS),
+     TypeError, "dy: expected the dtype of x, float32, got float16"),
+    (lambda x: validation.check_weight(_Rows((5,)), x, _ROWS), ValueError,
+     "weight: expected shape (4,) to match x's last dimension, got (5,)"),
+    (lambda x: validation.check_weight(_Rows((4,), "float16"), x, _ROWS), TypeError,
+     "weight: expected dtype float32 or x's dtype (float32), got float16"),
+    (lambda x: validation.check_rstd(_Rows((2,), dense=False), x, _ROWS), ValueError,
+     "rstd: expected a contiguous array"),
+    (lambda x: validation.check_rstd(_Rows((4,)), x, _ROWS), ValueError,
+     "rstd: expected the shape of x without its last dimension, (2,), got (4,)"),
+])
+def test_other_array_kinds_get_the_same_checks(call, error, words):
+    """A backend's own kind of array (the cupy backend's CuPy arrays) is checked by the
+    same code and messages as torch tensors, through an ArrayKind."""
+    x = _Rows((2, 4))
+    with pytest.raises(error) as info:
+        call(x)
+    assert str(info.value) == words
+    assert validation.check_rstd(_Rows((2,)), x, _ROWS).shape == (2,)

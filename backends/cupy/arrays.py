@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from normspec.spec.validation import check_input, check_like, check_weight
+from normspec.spec.validation import (
+    TORCH_TENSORS,
+    ArrayKind,
+    check_input,
+    check_like,
+    check_weight,
+)
 
 from . import nvrtc
 from .codes import CUPY_DT, DT_BF16, TORCH_DT
@@ -58,55 +64,17 @@ def _cp_dtype_code(a: Any) -> int | None:
     return CUPY_DT.get(a.dtype.name)
 
 
-def _cp_check_input(name: str, a: Any) -> None:
-    if _cp_dtype_code(a) is None:
-        raise TypeError(
-            f"{name}: expected dtype in (float32, bfloat16, float16), got {a.dtype.name}"
-        )
-    if a.ndim < 1 or a.shape[-1] < 1:
-        raise ValueError(f"{name}: expected shape (..., H) with H >= 1, got {tuple(a.shape)}")
-
-
-def _cp_device(a: Any) -> str:
-    return f"cuda:{a.device.id}"
-
-
-def cp_check_like(name: str, t: object, x: Any) -> None:
-    if not is_cupy_array(t):
-        raise TypeError(
-            f"{name}: expected a CuPy array (like x), got {type(t).__module__}."
-            f"{type(t).__name__}"
-        )
-    if tuple(t.shape) != tuple(x.shape):
-        raise ValueError(
-            f"{name}: expected the shape of x, {tuple(x.shape)}, got {tuple(t.shape)}"
-        )
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name}: expected the dtype of x, {x.dtype.name}, got {t.dtype.name}")
-    if t.device.id != x.device.id:
-        raise ValueError(
-            f"{name}: expected the device of x, {_cp_device(x)}, got {_cp_device(t)}"
-        )
-
-
-def _cp_check_weight(w: object, x: Any) -> None:
-    if not is_cupy_array(w):
-        raise TypeError(
-            f"weight: expected a CuPy array (like x), got {type(w).__module__}."
-            f"{type(w).__name__}"
-        )
-    hidden = x.shape[-1]
-    if w.ndim != 1 or w.shape[0] != hidden:
-        raise ValueError(
-            f"weight: expected shape ({hidden},) to match x's last dimension, "
-            f"got {tuple(w.shape)}"
-        )
-    if w.dtype.name not in ("float32", x.dtype.name):
-        raise TypeError(
-            f"weight: expected dtype float32 or x's dtype ({x.dtype.name}), got {w.dtype.name}"
-        )
-    if w.device.id != x.device.id:
-        raise ValueError(f"weight: expected the device of x, {_cp_device(x)}, got {_cp_device(w)}")
+#: CuPy arrays, as the shared checks of ``normspec.spec.validation`` read them.
+CUPY_ARRAYS = ArrayKind(
+    noun="a CuPy array (like x)",
+    accepts=is_cupy_array,
+    dtype=lambda a: a.dtype.name,
+    shown_dtype=lambda a: a.dtype.name,
+    device=lambda a: f"cuda:{a.device.id}",
+    contiguous=lambda a: bool(a.flags.c_contiguous),
+)
+#: The kind of each input kind's arrays.
+ARRAY_KINDS = {"torch": TORCH_TENSORS, "cupy": CUPY_ARRAYS}
 
 
 def validate(rows: Mapping[str, object], weight: object) -> str:
@@ -115,16 +83,11 @@ def validate(rows: Mapping[str, object], weight: object) -> str:
     names = list(rows)
     x = rows[names[0]]
     kind = _kind(names[0], x)
-    if kind == "torch":
-        check_input(names[0], x)
-        for n in names[1:]:
-            check_like(n, rows[n], x)
-        check_weight(weight, x)
-    else:
-        _cp_check_input(names[0], x)
-        for n in names[1:]:
-            cp_check_like(n, rows[n], x)
-        _cp_check_weight(weight, x)
+    arrays = ARRAY_KINDS[kind]
+    check_input(names[0], x, arrays)
+    for n in names[1:]:
+        check_like(n, rows[n], x, kind=arrays)
+    check_weight(weight, x, arrays)
     return kind
 
 

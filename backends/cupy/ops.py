@@ -1,7 +1,7 @@
 """The operators: argument checks, autograd for torch inputs, the public functions.
 
-Each public function checks its arguments (``normspec.spec.validation`` for torch
-tensors, eps, offset and the choices; ``arrays`` for CuPy arrays) and runs ``run.forward``
+Each public function checks its arguments with ``normspec.spec.validation`` (arrays of
+either kind, eps, offset and the choices) and runs ``run.forward``
 or ``run.backward``; torch inputs that require grad go through ``_NormFunction``, whose
 backward reads the rstd its forward kept.
 """
@@ -21,10 +21,11 @@ from normspec.spec.validation import (
     check_eps,
     check_like,
     check_offset,
+    check_rstd,
 )
 
 from . import nvrtc
-from .arrays import check_torch_device, cp_check_like, dtype_code, is_cupy_array, validate
+from .arrays import ARRAY_KINDS, check_torch_device, dtype_code, validate
 from .codes import DT_F32, OP_CODES, OP_FUSED, OP_FUSED_SUM, OP_GATED, OP_RMS
 from .run import backward, forward
 
@@ -103,43 +104,16 @@ def _run(op: int, rows: Mapping[str, Any], weight: Any, eps: float,
     return forward(kind, op, values, weight, eps, params, keep_rstd=with_rstd)
 
 
-def _check_rstd(kind: str, rstd: Any, x: Any) -> None:
-    """The forward's rstd given to a backward: float32, the shape of x without its last
-    dimension, contiguous, of x's kind and on x's device (as the torch extension's
-    ``given_rstd``)."""
-    if rstd is None:
-        return
-    want = tuple(x.shape[:-1])
-    if kind == "torch":
-        if not isinstance(rstd, torch.Tensor):
-            raise TypeError(f"rstd: expected a torch.Tensor like x, got {type(rstd).__name__}")
-        dtype, contiguous = str(rstd.dtype).removeprefix("torch."), rstd.is_contiguous()
-        device, x_device = rstd.device, x.device
-    else:
-        if not is_cupy_array(rstd):
-            raise TypeError(f"rstd: expected a CuPy array like x, got {type(rstd).__name__}")
-        dtype, contiguous = rstd.dtype.name, bool(rstd.flags.c_contiguous)
-        device, x_device = f"cuda:{rstd.device.id}", f"cuda:{x.device.id}"
-    if dtype != "float32":
-        raise TypeError(f"rstd: expected dtype float32, got {dtype}")
-    if tuple(rstd.shape) != want:
-        raise ValueError("rstd: expected the shape of x without its last dimension, "
-                         f"{want}, got {tuple(rstd.shape)}")
-    if not contiguous:
-        raise ValueError("rstd: expected a contiguous array")
-    if device != x_device:
-        raise ValueError(f"rstd: expected the device of x, {x_device}, got {device}")
-
-
 def _run_backward(op: int, grads: Mapping[str, Any], rows: Mapping[str, Any], weight: Any,
                   eps: float, params: dict[str, Any], rstd: Any | None = None
                   ) -> tuple[Any, ...]:
     kind = validate(rows, weight)
     x = next(iter(rows.values()))
     for n, g in grads.items():
-        (check_like if kind == "torch" else cp_check_like)(n, g, x)
+        check_like(n, g, x, kind=ARRAY_KINDS[kind])
     eps = _check_params(eps, params)
-    _check_rstd(kind, rstd, x)
+    if rstd is not None:
+        check_rstd(rstd, x, ARRAY_KINDS[kind])
     if op == OP_FUSED_SUM and params["residual_sum"] != "rounded" and (
             dtype_code(kind, x) != DT_F32):
         raise ValueError(

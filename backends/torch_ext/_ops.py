@@ -14,6 +14,7 @@ from normspec.spec.validation import (
     check_input,
     check_like,
     check_offset,
+    check_rstd,
     check_weight,
 )
 
@@ -137,10 +138,8 @@ def _check_norm(x, weight, eps, offset=0.0, **likes):
 
 
 def _check_rstd(rstd, x):
-    if rstd is not None and (rstd.shape != x.shape[:-1] or rstd.dtype != torch.float32
-                             or rstd.device != x.device):
-        raise ValueError(f"rstd: expected float32 of shape {tuple(x.shape[:-1])} on "
-                         f"{x.device}, got {rstd.dtype} {tuple(rstd.shape)} on {rstd.device}")
+    if rstd is not None:
+        check_rstd(rstd, x)
 
 
 def _fake_rms_norm(x, weight, eps, offset):
