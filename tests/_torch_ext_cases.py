@@ -215,3 +215,40 @@ def grad_names(op):
     return {"rms_norm": ("dx", "dweight"),
             "fused_add_rms_norm": ("dx", "dresidual", "dweight"),
             "rms_norm_gated": ("dx", "dgate", "dweight")}[op]
+
+
+MARKER_KERNEL = "spin_kernel"  # the kernel torch.cuda._sleep launches
+
+
+def cuda_kernel_names(fn, attempts: int = 3) -> list[str]:
+    """The names of the CUDA kernels ``fn()`` runs (torch.profiler, in start order;
+    Memcpy / Memset records left out).
+
+    ``fn()`` runs between two marker kernels, each followed by a synchronize, and only
+    the records between the two markers count. CUPTI before CUDA 13.1 can hand a
+    session records of kernels that ran before it (with corrupt timestamps) and drop the
+    session's first records (pytorch/pytorch#192021; CUPTI 13.1 release notes), both at
+    once in a full ``-m cuda`` run on CUDA 13.0. A session whose records lack either marker
+    is run again, up to ``attempts`` times; none is read as empty."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seen = []
+    for _ in range(attempts):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                         and not e.name.startswith(("Memcpy", "Memset"))),
+                        key=lambda e: e.time_range.start)
+        names = [e.name for e in events]
+        marks = [i for i, n in enumerate(names) if MARKER_KERNEL in n]
+        if len(marks) == 2:
+            return names[marks[0] + 1:marks[1]]
+        seen.append(names)
+    raise AssertionError(f"the profiler's records lacked the two {MARKER_KERNEL} markers "
+                         f"in {attempts} sessions: {seen}")

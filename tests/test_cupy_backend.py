@@ -5,6 +5,7 @@ caller's current stream. Skipped without a GPU or without CuPy."""
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,9 @@ from _torch_ext_cases import (
     ROW_INPUTS,
     VARIANTS,
     assert_bits,
+    cuda_kernel_names,
+    ext_backward,
+    ext_forward,
     grad_names,
     layout,
     make_case,
@@ -814,3 +818,47 @@ def test_second_device():
     assert_bits(y, spec.rms_norm(x.cpu(), w.cpu(), eps=EPS), "cuda:1")
     with pytest.raises(ValueError, match=r"weight: expected the device of x"):
         cb.rms_norm(x, w.to("cuda:0"), eps=EPS)
+
+
+def _kernel_families(names: list[str]) -> list[str]:
+    """Each launch's kernel template, without its arguments: ``normspec_fwd_row_kernel``."""
+    return [re.search(r"normspec_\w+", n).group(0) if "normspec_" in n else n for n in names]
+
+
+_PLAN_SHAPES = [(1, 2048), (64, 2048), (4096, 2048), (65536, 2048), (7, 1003), (64, 8192),
+                (2048, 256), (4096, 128), (3, 40000)]
+
+
+def _launches(op: str, params: dict, shape: tuple[int, int], dtype: torch.dtype) -> dict:
+    """The kernels each backend launches for one call, forward and backward."""
+    inputs, weight, grads = make_case(op, params, shape, dtype, torch.float32, 0,
+                                      specials=False)
+    rows = {k: v.cuda() for k, v in inputs.items()}
+    w, dys = weight.cuda(), [g.cuda() for g in grads]
+    forward, backward = getattr(cb, op), getattr(cb, op + "_backward")
+    calls = {
+        ("torch_ext", "forward"): lambda: ext_forward(op, rows, w, EPS, params),
+        ("cupy", "forward"): lambda: forward(*rows.values(), w, eps=EPS, **params),
+        ("torch_ext", "backward"): lambda: ext_backward(op, dys, rows, w, EPS, params),
+        ("cupy", "backward"): lambda: backward(*dys, *rows.values(), w, eps=EPS, **params),
+    }
+    for call in calls.values():
+        call()  # compiled and planned before the profiled call
+    return {key: cuda_kernel_names(call) for key, call in calls.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("op", "params"), [VARIANTS[1], VARIANTS[4], VARIANTS[7]],
+                         ids=["rms", "fused", "gated"])
+def test_both_backends_launch_the_same_kernels(op, params, dtype):
+    """The torch extension and the CuPy backend read one launch plan: for the same call
+    they launch the same kernel families in the same order, forward and backward."""
+    te = pytest.importorskip("normspec.backends.torch_ext")
+    if (reason := te.available()) is not None:
+        pytest.skip(reason)
+    for shape in _PLAN_SHAPES:
+        seen = _launches(op, params, shape, dtype)
+        for direction in ("forward", "backward"):
+            ours, theirs = seen["torch_ext", direction], seen["cupy", direction]
+            assert ours and _kernel_families(ours) == _kernel_families(theirs), (
+                shape, direction, ours, theirs)
