@@ -643,6 +643,11 @@ def test_a_thread_without_a_current_context(path, monkeypatch):
     else:
         monkeypatch.setattr(cb.driver, "_cu_launch_kernel_ex_fn", [None])
         monkeypatch.setattr(cb.device, "_states", {})
+        # the device's state made afresh for RawKernel launches, here, before the thread:
+        # making it asks the runtime, which makes a context current
+        cb.rms_norm_backward(cdy, cx, cw, eps=EPS, offset=1.0)
+        cb.rms_norm(cx, cw, eps=EPS, offset=1.0)
+        torch.cuda.synchronize()
         monkeypatch.setattr(cb.driver, "_launch_rawkernel", recording_launch)
     result = {}
 
