@@ -339,7 +339,8 @@ def test_the_workers_get_the_longest_checks_first_by_the_reports_they_replace(tm
         {"check_seconds": {"reference": 20.0}}))
     handed: list[Task] = []
 
-    def in_order(tasks, *, jobs, quick, seeds, on_case, on_result):
+    def in_order(tasks, *, jobs, quick, seeds, on_case, on_result, fresh_process_per_task):
+        assert not fresh_process_per_task  # CPU checks share their workers
         handed.extend(tasks)
         for i, task in enumerate(tasks):  # as the workers would, with made-up times
             result = harness.check(registry.get_backend(task.backend), task.op,
@@ -359,3 +360,28 @@ def test_the_workers_get_the_longest_checks_first_by_the_reports_they_replace(tm
     assert written["check_seconds"] == {"reference": 103.0, "transformers": 101.0}
     assert longest_first(handed, previous_seconds(tmp_path, handed))[0] == Task(
         "reference", "rms_norm", "cpu_bf16")
+
+
+def test_a_fresh_process_per_task_shares_no_process_between_checks():
+    """On CUDA each check gets a process of its own (a kernel's memory fault leaves its
+    process's CUDA context unusable): no two tasks report the same process."""
+    tasks = [Task("reference", op, "cpu_fp32") for op in ("a", "b", "c", "d")]
+    results = check_in_workers(tasks, jobs=2, worker=_pid, fresh_process_per_task=True)
+    pids = [r["pid"] for r in results.values()]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+
+
+@pytest.mark.parametrize(("jobs", "device", "want_here"), [
+    (1, "cpu", {"reference", "mine"}),
+    (4, "cpu", {"mine"}),
+    (1, "cuda", {"mine"}),
+    (4, "cuda", {"mine"}),
+])
+def test_where_each_check_runs(jobs, device, want_here):
+    """On the CPU with one job this process checks everything; on CUDA, whatever the jobs,
+    only backends registered in this process stay here (the others each get a process)."""
+    tasks = [Task("reference", "rms_norm", "p"), Task("mine", "rms_norm", "p")]
+    here, elsewhere = conformance.where_to_check(
+        tasks, {"reference": False, "mine": True}, jobs=jobs, device=device)
+    assert {t.backend for t in here} == want_here
+    assert {t.backend for t in elsewhere} == {"reference", "mine"} - want_here

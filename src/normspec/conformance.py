@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,12 @@ def run_conformance(
     writes each under ``out_dir`` (unless it is ``None``) as soon as its
     checks are done. With ``jobs`` above 1 the checks (one backend's op on
     one profile each) run side by side in that many worker processes (see
-    [`normspec.workers`][normspec.workers]); the verdicts are the same. A
-    script that passes ``jobs`` above 1 needs an ``if __name__ == "__main__":``
-    guard around the call (the workers are spawned, and re-import the script).
+    [`normspec.workers`][normspec.workers]); the verdicts are the same. On CUDA each
+    check runs in a spawned process of its own, also with ``jobs`` 1, so that a backend
+    whose kernel faults (a misaligned or illegal address leaves a process's CUDA context
+    unusable) fails its own check and no other. A script that runs checks in worker
+    processes needs an ``if __name__ == "__main__":`` guard around the call (the workers
+    are spawned, and re-import the script).
     The workers take the longest checks first, by the times in the reports
     already under ``out_dir`` ([`previous_seconds`][normspec.conformance.previous_seconds]).
     """
@@ -164,10 +167,9 @@ def run_conformance(
         def advance(_case: object = None) -> None:
             progress.advance(bar)
 
-        # a backend registered in this process only does not exist in a worker
-        here, elsewhere = [], []
-        for task in tasks:
-            (here if jobs == 1 or entries[task.backend].in_process else elsewhere).append(task)
+        isolate = device == "cuda"
+        here, elsewhere = where_to_check(
+            tasks, {n: entries[n].in_process for n in names}, jobs=jobs, device=device)
         for task in here:
             progress.update(bar, description=f"{task.profile} {task.op} {task.backend}")
             start = time.perf_counter()
@@ -177,8 +179,25 @@ def run_conformance(
         if elsewhere:
             progress.update(bar, description=f"{len(elsewhere)} checks in {jobs} processes")
             check_in_workers(elsewhere, jobs=jobs, quick=quick, seeds=seeds, on_case=advance,
-                             on_result=record)
+                             on_result=record, fresh_process_per_task=isolate)
     return [finished[(prof.name, op_name)] for prof in chosen_profiles for op_name in chosen_ops]
+
+
+def where_to_check(tasks: Sequence[Task], in_process: Mapping[str, bool], *, jobs: int,
+                   device: str) -> tuple[list[Task], list[Task]]:
+    """``tasks`` split into those this process checks and those for worker processes.
+
+    A backend registered in this process only (``in_process[name]``) does not exist in a
+    worker, so this process checks it. On the CPU with ``jobs`` 1 this process checks
+    everything. On CUDA every other check goes to a worker (one process per check): a
+    memory fault in one backend's kernel leaves its process's CUDA context unusable, and
+    would fail every later check there.
+    """
+    here, elsewhere = [], []
+    for task in tasks:
+        in_parent = in_process[task.backend] or (jobs == 1 and device != "cuda")
+        (here if in_parent else elsewhere).append(task)
+    return here, elsewhere
 
 
 def previous_seconds(out_dir: Path, tasks: Sequence[Task]) -> dict[Task, float]:

@@ -147,6 +147,7 @@ def check_in_workers(
     on_case: Callable[[], None] | None = None,
     on_result: Callable[[Task, dict[str, Any], float], None] | None = None,
     worker: Callable[[Task, bool, int | None], tuple[dict[str, Any], float]] = _check,
+    fresh_process_per_task: bool = False,
 ) -> dict[Task, dict[str, Any]]:
     """Run ``tasks`` in ``jobs`` spawned worker processes.
 
@@ -155,6 +156,9 @@ def check_in_workers(
     worker finishes, ``on_result`` with the task, its result and its seconds
     in the worker as each result arrives. ``worker`` is the function a worker
     runs for a task (an importable module-level function; tests replace it).
+    ``fresh_process_per_task``: each task in a process of its own, so that nothing one
+    check leaves behind reaches another (on CUDA, a kernel's memory fault leaves the
+    process's CUDA context unusable, and every later check in it would crash).
 
     Raises:
         RuntimeError: a check raised in its worker (the message names the task
@@ -190,7 +194,8 @@ def check_in_workers(
     reader.start()
     results: dict[Task, dict[str, Any]] = {}
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
-                               initializer=_start_worker, initargs=(progress, threads))
+                               initializer=_start_worker, initargs=(progress, threads),
+                               max_tasks_per_child=1 if fresh_process_per_task else None)
     finished = False
     try:
         futures = {pool.submit(worker, task, quick, seeds): task for task in tasks}
