@@ -9,6 +9,7 @@ arrays) passes an :class:`ArrayKind` that says how to read it.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,8 @@ class ArrayKind:
     ``noun`` names the kind in errors ("a torch.Tensor"); ``accepts`` tells whether an
     object is of the kind; ``dtype`` gives an array's dtype as a plain name ("bfloat16"),
     ``shown_dtype`` as errors print it; ``device`` gives its device as a string
-    ("cuda:0"); ``contiguous`` whether its elements are dense in row-major order.
+    ("cuda:0"), ``same_device`` whether two arrays share one; ``contiguous`` whether its
+    elements are dense in row-major order.
     """
 
     noun: str
@@ -40,16 +42,20 @@ class ArrayKind:
     dtype: Callable[[Any], str]
     shown_dtype: Callable[[Any], str]
     device: Callable[[Any], str]
+    same_device: Callable[[Any, Any], bool]
     contiguous: Callable[[Any], bool]
 
 
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                      torch.float16: "float16"}
 #: torch tensors, the kind every spec operator takes.
 TORCH_TENSORS = ArrayKind(
     noun="a torch.Tensor",
     accepts=lambda obj: isinstance(obj, torch.Tensor),
-    dtype=lambda t: str(t.dtype).removeprefix("torch."),
+    dtype=lambda t: _TORCH_DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch."),
     shown_dtype=lambda t: str(t.dtype),
     device=lambda t: str(t.device),
+    same_device=lambda a, b: a.device == b.device,
     contiguous=lambda t: t.is_contiguous(),
 )
 
@@ -124,15 +130,20 @@ def check_rstd(rstd: Any, x: Any, kind: ArrayKind = TORCH_TENSORS) -> Any:
 
 
 def _expect_device(name: str, t: Any, x: Any, x_name: str, kind: ArrayKind) -> None:
-    if kind.device(t) != kind.device(x):
+    if not kind.same_device(t, x):
         raise ValueError(
             f"{name}: expected the device of {x_name}, {kind.device(x)}, got {kind.device(t)}"
         )
 
 
 def as_fp32(value: float) -> float:
-    """``value`` rounded to fp32 (round to nearest, ties to even), as the kernels use it."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    """``value`` rounded to fp32 (round to nearest, ties to even), as the kernels use it;
+    ±inf where it overflows. (``struct``'s fp32 packing is C's ``(float)`` conversion:
+    a fraction of the cost of a torch scalar, on every operator call.)"""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def check_eps(eps: object) -> float:

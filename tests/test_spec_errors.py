@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -81,6 +83,7 @@ class _Rows:
 _ROWS = validation.ArrayKind(
     noun="a _Rows", accepts=lambda o: isinstance(o, _Rows), dtype=lambda a: a.dtype,
     shown_dtype=lambda a: a.dtype, device=lambda a: f"cuda:{a.device}",
+    same_device=lambda a, b: a.device == b.device,
     contiguous=lambda a: a.dense)
 
 
@@ -112,3 +115,14 @@ def test_other_array_kinds_get_the_same_checks(call, error, words):
         call(x)
     assert str(info.value) == words
     assert validation.check_rstd(_Rows((2,)), x, _ROWS).shape == (2,)
+
+
+@pytest.mark.parametrize("value", [
+    1e-6, 1e-5, 0.1, 1.0 + 2.0**-24, 1.0 + 3 * 2.0**-24,  # ties to even, both ways
+    3.4028235677973366e38, 3.4028235677973366e38 * (1 + 2.0**-25), 3.5e38, -1e300,  # overflow
+    1e-46, 2.0**-150, 2.0**-149 * 1.5, 1e-50, -0.0,  # subnormals and underflow
+])
+def test_as_fp32_rounds_as_torch_does(value):
+    """eps and offset are checked as the kernels read them: rounded to fp32 as torch rounds."""
+    got, want = validation.as_fp32(value), float(torch.tensor(value, dtype=torch.float32))
+    assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want)

@@ -71,6 +71,7 @@ CUPY_ARRAYS = ArrayKind(
     dtype=lambda a: a.dtype.name,
     shown_dtype=lambda a: a.dtype.name,
     device=lambda a: f"cuda:{a.device.id}",
+    same_device=lambda a, b: a.device.id == b.device.id,
     contiguous=lambda a: bool(a.flags.c_contiguous),
 )
 #: The kind of each input kind's arrays.
