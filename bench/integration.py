@@ -7,6 +7,11 @@ times forward + backward of a batch unpatched and patched with each kernel
 backend (CUDA events, median of ``--iters`` after warm-up), and checks one
 patched training step's norm gradients against the spec on the GPU. Prints a
 table and writes JSON to ``bench/results/integration_<gpu>.json`` (or ``--out``).
+
+The GDN layers' delta rule runs transformers' torch path in both models, also where
+fla-core is installed: fla-core 0.6.0 refuses its chunked backward on Hopper GPUs with
+Triton >= 3.4 and < 3.7.1 (``fla/ops/common/chunk_o.py``, ``chunk_bwd_dqkwg``). Both
+models run the same delta rule, so the difference between them is the norms'.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -39,6 +45,24 @@ def _model(layers: int):
     config = Qwen3NextConfig(**CONFIG, num_hidden_layers=layers, layer_types=types)
     torch.manual_seed(0)
     return Qwen3NextForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+
+
+def torch_delta_rule(model) -> int:
+    """Rebinds each GDN layer's delta rule that comes from fla to transformers' torch twin
+    (``torch_<name>`` of the layer's modeling module; transformers binds the functions to
+    the layer when it is made). Returns how many it rebound."""
+    rebound = 0
+    for module in model.modules():
+        if not type(module).__name__.endswith("GatedDeltaNet"):
+            continue
+        modeling = sys.modules[type(module).__module__]
+        for name in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule"):
+            bound = getattr(module, name, None)
+            twin = getattr(modeling, f"torch_{name}", None)
+            if twin is not None and getattr(bound, "__module__", "").split(".")[0] == "fla":
+                setattr(module, name, twin)
+                rebound += 1
+    return rebound
 
 
 def _time(model, ids, iters: int) -> list[float]:
@@ -66,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = _model(args.layers)
+    torch_delta_rule(model)
     ids = torch.randint(1, CONFIG["vocab_size"], (args.batch, args.tokens), device="cuda")
     gpu = torch.cuda.get_device_name(0)
     rows = {"unpatched": _time(model, ids, args.iters)}
@@ -90,7 +115,8 @@ def main(argv=None) -> int:
     result = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
               "config": {**CONFIG, "layers": args.layers, "batch": args.batch,
                          "tokens": args.tokens},
-              "times_ms": rows, "gradients": gradients}
+              "delta_rule": "transformers' torch path", "times_ms": rows,
+              "gradients": gradients}
     slug = gpu.replace(" ", "_").replace("/", "_")
     out = Path(args.out or f"bench/results/integration_{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,8 @@ spread kept per row, and the rows the docs render."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from _scripts import load_script
 
@@ -252,3 +254,25 @@ def test_device_us_runs_the_after_flush_kernels_between_flush_and_sleep(monkeypa
     assert log[:2] == ["call", "call"]  # the warm-up and the host-time probe
     one = ["flush", "sleep 1", "sleep 1", "sleep 2000", "event", "call", "event"]
     assert log[2:] == one * 5
+
+
+def test_the_integration_bench_runs_transformers_torch_delta_rule():
+    """A GDN layer's delta rule bound from fla is rebound to transformers' torch twin (fla-core
+    0.6.0 refuses its chunked backward on Hopper with Triton < 3.7.1); others stay."""
+    transformers = pytest.importorskip("transformers")
+    from normspec.integrations.tiny_model import TINY_CONFIG
+
+    integration = load_script("bench/integration.py", "bench_integration")
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**TINY_CONFIG))
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet"]
+    modeling = sys.modules[type(layers[0]).__module__]
+
+    def from_fla(*args, **kwargs):
+        raise AssertionError("the fla delta rule ran")
+
+    from_fla.__module__ = "fla.ops.gated_delta_rule.chunk"
+    layers[0].chunk_gated_delta_rule = from_fla
+    own = layers[1].recurrent_gated_delta_rule = lambda *a, **k: None  # not fla's: kept
+    assert integration.torch_delta_rule(model) == 1
+    assert layers[0].chunk_gated_delta_rule is modeling.torch_chunk_gated_delta_rule
+    assert layers[1].recurrent_gated_delta_rule is own
