@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "by the times in the reports under --out, each with an equal "
                         "share of the cores for its torch threads "
                         "($NORMSPEC_WORKER_THREADS sets them); the verdicts do not "
-                        "depend on it")
+                        "depend on it. On cuda each check runs in a process of its own, "
+                        "so that a kernel's memory fault fails only its own backend")
     k.add_argument("--require", action="append", metavar="BACKEND=LEVEL",
                    help="CI gate: exit 1 unless BACKEND reaches LEVEL (exact, invariant or "
                         "accurate) in every report, forward and gradient (repeatable)")
