@@ -344,8 +344,8 @@ def benchmarks_page(
         "# Benchmarks",
         "",
         "Timings of each backend, from the JSON results committed under `bench/results/`, "
-        "tabulated and plotted when the site is built. The benchmark sessions print the "
-        "same tables; tests never assert on time.",
+        "tabulated and plotted when the site is built. `bench/run.py` (`nox -s bench`) "
+        "prints the same tables; tests never assert on time.",
         "",
     ]
     if not results:
@@ -359,7 +359,8 @@ def benchmarks_page(
     lines += repeats_section(repeats)
     for res in results:
         lines += [f"## {res.stem}", "", f"From `bench/results/{res.path.name}`.", ""]
-        env = _flatten(res.environment)
+        # how the commit was found (from git or a variable) says nothing to a reader
+        env = [(k, v) for k, v in _flatten(res.environment) if k != "git.recorded"]
         if env:
             lines += ['??? info "Environment"', "", "    | environment | |",
                       "    | --- | --- |"]
@@ -373,7 +374,8 @@ def benchmarks_page(
             device = any(isinstance(r.get("device_us"), int | float) for r in rows)
             lines += [f"### {res.stem}: {direction}", ""]
             if device:
-                lines += ["Call µs: do_bench (host launch gaps included); device µs: the GPU "
+                lines += ["Call µs: the median of `triton.testing.do_bench` (host launch gaps "
+                          "included); device µs: the GPU "
                           "alone; host µs: enqueueing one call. TB/s and copy fraction are "
                           "from the device time.", ""]
             times = "| call µs | device µs | host µs |" if device else "| µs |"

@@ -13,8 +13,15 @@ from normspec.conformance import percent_floor
 from normspec.profiles import PROFILES
 from normspec.report import KIND, ReportError, read_report
 
-__all__ = ["Report", "answer_table", "level_badge", "load_reports", "render_conformance",
-           "render_overview"]
+__all__ = [
+    "Report",
+    "answer_table",
+    "level_badge",
+    "load_reports",
+    "render_conformance",
+    "render_overview",
+    "system_name",
+]
 
 LEVELS = ("exact", "invariant", "accurate", "fails", "unavailable", "none")
 #: Failed lines shown per (backend, profile, gate) on the site; the JSON has them all.
@@ -258,26 +265,37 @@ def render_conformance(
         lines += [
             '!!! note "No report committed"',
             "",
-            f"    `reports/` holds no `{op}` report for {shown}. Reports are produced by "
-            "`nox -s conformance` (CUDA profiles on a GPU machine) and committed under "
-            "`reports/<profile>/<op>.json`.",
+            f"    `reports/` holds no `{op}` report for {shown}. The committed reports are "
+            "written by `nox -s conformance -- --out reports` (CUDA profiles on a GPU "
+            "machine) to `reports/<profile>/<op>.json`.",
             "",
         ]
     if mine:
-        lines += ["### Runs", "", "| profile | command | quick | platform | python | normspec "
+        lines += ["### Runs", "", "| profile | command | quick | system | python | normspec "
                   "| file |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for profile, report in mine.items():
             env = report.env
             lines.append(
                 f"| `{profile}` | {_code(report.data.get('command', '?'))} "
                 f"| {'yes' if report.data.get('quick') else 'no'} "
-                f"| {_cell(env.get('platform', '?'))} | {_cell(env.get('python', '?'))} "
+                f"| {_cell(system_name(env.get('platform', '?')))} "
+                f"| {_cell(env.get('python', '?'))} "
                 f"| {_cell(env.get('normspec', '?'))} "
                 f"| `reports/{profile}/{report.path.name}` |"
             )
         lines.append("")
         lines += _details(mine)
     return "\n".join(lines) + "\n"
+
+
+def system_name(platform_string: str) -> str:
+    """The operating system and processor of Python's ``platform.platform()`` string:
+    ``Linux-6.18.44-fc-…-x86_64-with-glibc2.39`` -> ``Linux x86_64`` (a machine's kernel
+    build says nothing to a reader)."""
+    parts = platform_string.split("-")
+    arch = next((p for p in parts if p in ("x86_64", "aarch64", "arm64", "AMD64", "ppc64le")),
+                None)
+    return f"{parts[0]} {arch}" if arch else parts[0]
 
 
 def _details(mine: Mapping[str, Report]) -> list[str]:

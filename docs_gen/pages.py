@@ -33,14 +33,15 @@ __all__ = [
 LEVEL_MEANING = {
     "exact": "bits equal to the spec for every input tried, under every transform",
     "invariant": "not bitwise equal to the spec, but bitwise invariant under every transform",
-    "accurate": "within the contract tolerance of the spec, but not invariant",
+    "accurate": "within the per-dtype tolerance of the spec (below), but not invariant",
     "fails": "outside the tolerance, or a crash (the failing lines are listed)",
     "unavailable": "the backend could not run here (the reason is in the report)",
     "none": "not run (no backward, or no report)",
 }
 SINGLETON_AGGREGATION = (
-    "`dweight` of the batch equals the spec's row tree over the singletons' `dweight` "
-    "(fp32 weights; gradient gate only)"
+    "`dweight` of the whole batch equals the pairwise-tree sum "
+    "([`tree_sum`][normspec.spec.arithmetic.tree_sum], the spec's order over rows) of the "
+    "`dweight`s of one-row calls (fp32 weights; gradients only)"
 )
 
 
@@ -59,7 +60,7 @@ def tolerance_table() -> str:
 
 def invariance_table() -> str:
     """[`TRANSFORMS`][normspec.transforms.TRANSFORMS] (and singleton aggregation) as a table."""
-    rows = ["| gate | what the backend is called on |", "| --- | --- |"]
+    rows = ["| check | what the backend is called on |", "| --- | --- |"]
     for t in TRANSFORMS:
         rows.append(f"| `{t.name}` | {t.description} |")
     rows.append(f"| `singleton_aggregation` | {SINGLETON_AGGREGATION} |")
@@ -211,7 +212,7 @@ def operator_page(
         "[`Tolerance`][normspec.gates.Tolerance].",
         "",
         tolerance_table(),
-        "## Invariance gates",
+        "## Invariance checks",
         "",
         "Each transform calls the backend on the same rows presented differently; an "
         "*invariant* backend returns bitwise the rows of the plain full-batch call "

