@@ -1,16 +1,17 @@
-"""Compare two benchmark results row by row: GPU time before and after.
+"""Compare two benchmark results row by row: GPU time and host time, before and after.
 
-Each argument is a JSON file that ``bench/run.py`` wrote (``{"environment", "rows"}``)
-or, with ``FILE@N``, setting ``N`` (from 0) of a sweep file that holds several runs under
-``"settings"`` (for example ``bench/results/sweeps/tree_tail.json@1``). Rows match on
-op, shape, backend and direction; a row's time is its device time (``device_us``,
-host gaps hidden) where both runs have one, else do_bench's ``us``.
+Each argument is a JSON file that ``bench/run.py`` wrote (``{"environment", "rows"}``).
+Rows match on op, shape, backend and direction; a row's time is its device time
+(``device_us``, host gaps hidden) where both runs have one, else do_bench's ``us``. Where
+both rows have ``host_us`` (the time the host took to enqueue one call), its change is
+shown too: a change on the host side leaves the GPU time alone but moves the call time
+of small shapes.
 
 Usage: ``python bench/compare.py OLD NEW [--backend SUBSTRING ...] [--threshold 0.02]``
 
 Prints one line per shared row, old and new microseconds and the change, marked
-``faster`` or ``slower`` beyond the threshold (a fraction of the old time), then the
-rows only one side has.
+``faster`` or ``slower`` beyond the threshold (a fraction of the old time), the host
+times and theirs marked the same way, then the rows only one side has.
 """
 
 from __future__ import annotations
@@ -28,25 +29,15 @@ class CompareError(ValueError):
     """A result file that cannot be read as bench rows."""
 
 
-def load_rows(spec: str) -> tuple[dict, list[dict]]:
-    """``(environment, rows)`` of ``FILE`` or of setting ``N`` of ``FILE@N``."""
-    path, _, index = spec.partition("@")
+def load_rows(path: str) -> tuple[dict, list[dict]]:
+    """``(environment, rows)`` of a ``bench/run.py`` result file."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CompareError(f"{path}: cannot read it as JSON ({exc})") from exc
-    if index:
-        settings = data.get("settings")
-        if not isinstance(settings, list):
-            raise CompareError(f"{path}: '@{index}' needs a file with a 'settings' list; "
-                               f"this one has keys {sorted(data)}")
-        if not index.isdigit() or int(index) >= len(settings):
-            raise CompareError(f"{path}: setting '@{index}' does not exist; expected 0.."
-                               f"{len(settings) - 1}")
-        data = settings[int(index)]
-    if not isinstance(data.get("rows"), list):
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise CompareError(f"{path}: expected a 'rows' list (bench/run.py's output), got "
-                           f"keys {sorted(data)}")
+                           f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
     return data.get("environment", {}), data["rows"]
 
 
@@ -66,7 +57,9 @@ def row_time(old: dict, new: dict) -> tuple[float, float] | None:
 def compare(old_rows: Sequence[dict], new_rows: Sequence[dict], backends: Sequence[str] = (),
             threshold: float = 0.02) -> tuple[list[dict], list[Key], list[Key]]:
     """The shared rows as ``{"key", "old_us", "new_us", "change", "verdict"}`` (change =
-    new / old - 1), then the keys only the old side has, then those only the new has."""
+    new / old - 1) and, where both rows have ``host_us``, ``"old_host_us"``,
+    ``"new_host_us"``, ``"host_change"`` and ``"host_verdict"``; then the keys only the old
+    side has, then those only the new has."""
     def keep(rows: Sequence[dict]) -> dict[Key, dict]:
         return {row_key(r): r for r in rows
                 if not backends or any(b in r["backend"] for b in backends)}
@@ -79,10 +72,19 @@ def compare(old_rows: Sequence[dict], new_rows: Sequence[dict], backends: Sequen
             continue
         before, after = times
         change = after / before - 1.0 if before > 0 else 0.0
-        verdict = "faster" if change < -threshold else "slower" if change > threshold else ""
-        shared.append({"key": key, "old_us": before, "new_us": after, "change": change,
-                       "verdict": verdict})
+        row = {"key": key, "old_us": before, "new_us": after, "change": change,
+               "verdict": _verdict(change, threshold)}
+        host_before, host_after = old[key].get("host_us"), new[key].get("host_us")
+        if host_before and host_after is not None:
+            host_change = host_after / host_before - 1.0
+            row.update(old_host_us=host_before, new_host_us=host_after,
+                       host_change=host_change, host_verdict=_verdict(host_change, threshold))
+        shared.append(row)
     return shared, [k for k in old if k not in new], [k for k in new if k not in old]
+
+
+def _verdict(change: float, threshold: float) -> str:
+    return "faster" if change < -threshold else "slower" if change > threshold else ""
 
 
 def _describe(label: str, spec: str, env: dict) -> str:
@@ -92,7 +94,7 @@ def _describe(label: str, spec: str, env: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("old", help="bench/run.py JSON, or FILE@N for setting N of a sweep file")
+    p.add_argument("old", help="a bench/run.py result (JSON)")
     p.add_argument("new", help="the same, for the run to compare with OLD")
     p.add_argument("--backend", action="append", default=[], metavar="SUBSTRING",
                    help="only rows whose backend contains this (repeatable)")
@@ -110,12 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shared, only_old, only_new = compare(old_rows, new_rows, args.backend, args.threshold)
     print(_describe("old", args.old, old_env))
     print(_describe("new", args.new, new_env))
-    print(f"\n{'case':<34}{'backend':<31}{'dir':<9}{'old us':>9}{'new us':>9}{'change':>9}")
+    print(f"\n{'case':<34}{'backend':<31}{'dir':<9}{'old us':>9}{'new us':>9}{'change':>9}"
+          f"{'':<8}{'old host':>9}{'new host':>9}{'change':>9}")
     for r in shared:
         name, shape, backend, direction = r["key"]
         case = f"{name} {'x'.join(map(str, shape))}"
+        host = ""
+        if "host_change" in r:
+            host = (f"{r['old_host_us']:>9.1f}{r['new_host_us']:>9.1f}"
+                    f"{100 * r['host_change']:>8.1f}% {r['host_verdict']}")
         print(f"{case:<34}{backend[:30]:<31}{direction:<9}{r['old_us']:>9.1f}{r['new_us']:>9.1f}"
-              f"{100 * r['change']:>8.1f}% {r['verdict']}")
+              f"{100 * r['change']:>8.1f}% {r['verdict']:<7}{host}".rstrip())
     for label, keys in (("only in old", only_old), ("only in new", only_new)):
         for name, shape, backend, direction in keys:
             print(f"{label}: {name} {'x'.join(map(str, shape))} {backend} {direction}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -34,21 +33,29 @@ def test_shared_rows_compare_device_time_and_mark_beyond_the_threshold():
     assert {r["key"][2] for r in shared} == {"ours"}
 
 
-def test_settings_of_a_sweep_file(tmp_path):
-    sweep = {"settings": [{"env": {}, "environment": {"command": "a"},
-                           "rows": [_row("ours", "forward", 2.0)]},
-                          {"env": {"X": "0"}, "environment": {"command": "b"},
-                           "rows": [_row("ours", "forward", 3.0)]}]}
-    path = tmp_path / "sweep.json"
-    path.write_text(json.dumps(sweep))
-    env, rows = bc.load_rows(f"{path}@1")
-    assert env == {"command": "b"} and rows[0]["us"] == 3.0
-    with pytest.raises(bc.CompareError, match=re.escape("'@2' does not exist; expected 0..1")):
-        bc.load_rows(f"{path}@2")
-    plain = tmp_path / "plain.json"
-    plain.write_text(json.dumps({"environment": {}, "rows": []}))
-    with pytest.raises(bc.CompareError, match="needs a file with a 'settings' list"):
-        bc.load_rows(f"{plain}@0")
+def test_host_time_is_compared_where_both_rows_have_it(tmp_path, capsys):
+    """A change on the host side leaves the GPU time alone: it is shown and marked too."""
+    old = [{**_row("ours", "forward", 5.0, 4.6), "host_us": 40.0},
+           {**_row("peer", "forward", 5.0, 4.6)}]
+    new = [{**_row("ours", "forward", 25.0, 4.6), "host_us": 60.0},
+           {**_row("peer", "forward", 5.0, 4.6), "host_us": 9.0}]
+    shared, _, _ = bc.compare(old, new)
+    ours, peer = sorted(shared, key=lambda r: r["key"][2])
+    assert (ours["verdict"], ours["host_verdict"]) == ("", "slower")
+    assert ours["host_change"] == pytest.approx(0.5)
+    assert "host_change" not in peer  # the old row has no host time
+    files = []
+    for rows in (old, new):
+        files.append(tmp_path / f"{len(files)}.json")
+        files[-1].write_text(json.dumps({"environment": {}, "rows": rows}))
+    assert bc.main([str(f) for f in files]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "ours" in ln)
+    assert line.split()[-3:] == ["60.0", "50.0%", "slower"]
+
+
+def test_a_file_without_rows_is_refused(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"settings": []}))
     with pytest.raises(bc.CompareError, match="expected a 'rows' list"):
         bc.load_rows(str(path))
 
