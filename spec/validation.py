@@ -3,7 +3,8 @@
 Every error names the argument, what was seen and what was expected, so that
 a failing call in a trainer or a rollout engine explains itself. The array checks read
 torch tensors by default; a backend taking another kind of array (the cupy backend's CuPy
-arrays) passes an :class:`ArrayKind` that says how to read it.
+arrays) passes an [`ArrayKind`][normspec.spec.validation.ArrayKind] that says how to
+read it.
 """
 
 from __future__ import annotations
