@@ -220,7 +220,7 @@ def render_conformance(
 
     A table backend × profile with both levels, the device, the versions, the
     date and the commit of the run; a row per profile that has no committed
-    report; then the runs' commands and the failing gate lines.
+    report; then the runs' commands and the lines of the failed checks.
     """
     mine = {r.profile: r for r in reports if r.op == op}
     lines = [

@@ -246,7 +246,7 @@ def conformance_page(reports: Sequence[Report]) -> str:
         "Every backend that ran against the spec, per operator, on a GPU and on the CPU, "
         "from the reports committed under `reports/`: `forward / gradient` levels and the "
         "forward's least % of bitwise-equal elements. Each operator page has the rest: "
-        "every profile, versions, dates, commits and the failing gate lines.",
+        "every profile, versions, dates, commits and the lines of the failed checks.",
         "",
         render_overview(reports, OPS),
         levels_table(),
