@@ -3,8 +3,9 @@
 # conformance reports (reports/cuda_*/), the divergence matrices (reports/compare/), the
 # product benchmark (bench/results/<gpu>.json) and compute-sanitizer's race and sync
 # checks of our kernels. Run on a CUDA machine from the repo root, after installing nox,
-# fla-core, liger-kernel and megatron-core (on an offline machine: carry their wheels and
-# install them first; scripts/flashinfer_offline.sh does the same for FlashInfer).
+# fla-core, liger-kernel, megatron-core and normspec's requirements (jsonschema among them;
+# the script names any that is missing before it starts) (on an offline machine: carry
+# their wheels and install them first; scripts/flashinfer_offline.sh does the same for FlashInfer).
 #
 #   scripts/gpu_evidence.sh [tests] [conformance] [bench] [compare] [integration] [racecheck]
 #
@@ -35,6 +36,15 @@ run() {  # run LIMIT NAME CMD...: a time-limited stage with its log
   tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >> "$OUT/summary.log"
+# normspec's own requirements first: a package missing on the GPU machine (nothing can be
+# installed there from the network) would otherwise fail a stage minutes in
+needs='("torch", "rich", "numpy", "ninja", "jsonschema", "nox")'
+missing=$(python3 -c "import importlib.util as u; print(*(m for m in $needs if u.find_spec(m) is None))")
+if [ -n "$missing" ]; then
+  echo "missing python packages: $missing (install or carry their wheels first)" \
+    | tee -a "$OUT/summary.log" >&2
+  exit 2
+fi
 commit=${NORMSPEC_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 xdist_workers() {  # pytest's -n TESTS_WORKERS (default 8) where pytest-xdist is installed
   python3 -c "import xdist" 2>/dev/null && echo "-n ${TESTS_WORKERS:-8}"
